@@ -1,0 +1,117 @@
+"""Read a Hugging Face checkpoint (local directory or cached hub id) into float32 numpy tensors.
+
+Safetensors files are parsed directly (an 8-byte header length, a JSON header, then raw
+little-endian data) instead of through `safetensors.safe_open`: its numpy backend cannot
+represent bfloat16, which is how most modern checkpoints are stored, and the flax/torch
+backends would pull a framework (and a device) into what is plain file reading.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from huggingface_hub import snapshot_download
+
+from jspec.errors import JspecError
+
+_SAFETENSORS_FLOATS = {"F64": np.float64, "F32": np.float32, "F16": np.float16}
+# (index file, glob for the weight files) in order of preference: safetensors, then PyTorch pickles.
+_WEIGHT_FORMATS = (
+    ("model.safetensors.index.json", "model*.safetensors"),
+    ("pytorch_model.bin.index.json", "pytorch_model*.bin"),
+)
+
+
+def resolve_hf_dir(src: str) -> Path:
+    """The directory holding `src`'s config.json, weights and tokenizer files.
+
+    `src` is a local directory, or a hub id already in the local Hugging Face cache:
+    jspec never downloads, so a missing model fails here rather than stalling on the network.
+    """
+    path = Path(src).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise JspecError(f"'{src}' is a file; expected a Hugging Face model directory (config.json + weights)")
+    else:
+        try:
+            path = Path(snapshot_download(src, local_files_only=True))
+        except (ValueError, FileNotFoundError):  # invalid repo id, or not in the cache
+            raise JspecError(
+                f"model '{src}' is neither a local path nor a hub id in the local Hugging Face cache "
+                "(jspec never downloads)"
+            ) from None
+    if not (path / "config.json").is_file():
+        raise JspecError(f"'{path}' has no config.json; is it a Hugging Face model directory?")
+    return path
+
+
+def read_hf(src: str) -> tuple[dict, dict[str, np.ndarray]]:
+    """The parsed config.json and every tensor of the checkpoint, by HF name, as float32.
+
+    Tied models keep whatever the files hold (usually no `lm_head.weight`); the config's
+    `tie_word_embeddings` says how to treat that.
+    """
+    directory = resolve_hf_dir(src)
+    config = json.loads((directory / "config.json").read_text())
+    tensors: dict[str, np.ndarray] = {}
+    for file in _weight_files(directory):
+        read = _read_safetensors if file.suffix == ".safetensors" else _read_torch_bin
+        tensors.update(read(file))
+    return config, tensors
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    """The weight files to read: those an index lists, else those matching the usual names."""
+    for index_name, pattern in _WEIGHT_FORMATS:
+        index = directory / index_name
+        if index.is_file():
+            files = sorted({directory / name for name in json.loads(index.read_text())["weight_map"].values()})
+            missing = [f.name for f in files if not f.is_file()]
+            if missing:
+                raise JspecError(f"'{directory}' lacks weight files listed in {index_name}: {', '.join(missing)}")
+            return files
+        files = sorted(directory.glob(pattern))
+        if files:
+            return files
+    raise JspecError(
+        f"'{directory}' has no weight files (model.safetensors, model-*-of-*.safetensors or pytorch_model*.bin)"
+    )
+
+
+def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of one safetensors file, upcast to float32 (bf16 included)."""
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+    header.pop("__metadata__", None)
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
+    tensors = {}
+    for name, info in header.items():
+        begin, end = info["data_offsets"]
+        raw, dtype = data[begin:end], info["dtype"]
+        if dtype == "BF16":
+            # numpy has no bfloat16, but a bfloat16 is exactly the upper 16 bits of a float32.
+            values = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
+        elif dtype in _SAFETENSORS_FLOATS:
+            values = raw.view(np.dtype(_SAFETENSORS_FLOATS[dtype]).newbyteorder("<")).astype(np.float32)
+        else:
+            raise JspecError(f"tensor {name} in {path.name} has dtype {dtype}; jspec reads float checkpoints only")
+        tensors[name] = values.reshape(info["shape"])
+    return tensors
+
+
+def _read_torch_bin(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of one PyTorch pickle, as float32; torch is imported only for this format."""
+    try:
+        import torch
+    except ImportError:
+        raise JspecError("reading PyTorch .bin checkpoints needs torch: pip install torch==2.13.0") from None
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    tensors = {}
+    for name, value in state.items():
+        if not value.is_floating_point():
+            raise JspecError(f"tensor {name} in {path.name} has dtype {value.dtype}; jspec reads float checkpoints only")
+        tensors[name] = value.float().numpy()
+    return tensors

@@ -1,0 +1,200 @@
+"""Llama-family decoder (Llama / SmolLM2, Mistral, Qwen2) as pure functions over a parameter pytree.
+
+Parameters are a dict; `layers` is a list with one dict per decoder layer (D hidden, V vocab,
+K kv heads, G query heads per kv head, H head dim, F MLP width):
+
+    embed        [V, D]
+    layers[i]    attn_norm [D], mlp_norm [D]
+                 wqkv [D, K*(G+2)*H]   per kv group its G query heads, then its k and v: one
+                                       matmul, and a K-way column split keeps a group together
+                 bqkv [K*(G+2)*H]      (Qwen2 only)
+                 wo [K*G*H, D], w_gate_up [D, 2*F] (gate then up), w_down [F, D]
+    final_norm   [D]
+    lm_head      [D, V]                (untied models only)
+
+Why a list and 2-D weights rather than arrays stacked for `lax.scan`: XLA on CPU copies every
+dynamically sliced (scanned) weight and every weight whose dot needs a reshape before it can
+multiply, which doubled the time of a decode step (45 ms vs 23 ms for SmolLM2-135M here). With
+one buffer per weight the dots read parameters in place; activations are reshaped instead.
+Running a prefix of the layers (early exit) or a subset (layer skipping) is a static choice of
+list entries, so it costs nothing either.
+
+Every forward reads and writes a preallocated `KVCache` at per-row positions: row b's T new
+tokens sit at positions[b] (contiguous), and a query at position p sees cache entries 0..p.
+Entries beyond a row's position are stale (padding, rejected drafts) and are never attended to,
+which is what makes speculative rollback free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.config import ModelConfig, rope_inv_freq
+
+Params = dict
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    k: list[jax.Array]  # per layer [B, S, K, H]
+    v: list[jax.Array]  # per layer [B, S, K, H]
+
+    @classmethod
+    def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype) -> "KVCache":
+        shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
+        return cls([jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
+                   [jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)])
+
+    @property
+    def length(self) -> int:
+        return self.k[0].shape[1]
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def rope(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin of shape [B, T, H] for integer positions [B, T] (rotate-half layout, as HF)."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(cfg))
+    angles = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return (x * cos + rotated * sin).astype(x.dtype)
+
+
+def _write(cache_layer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """cache_layer [B, S, K, H] <- new [B, T, K, H] at per-row offsets start [B]."""
+    put = lambda c, x, s: jax.lax.dynamic_update_slice(c, x, (s, 0, 0))
+    return jax.vmap(put)(cache_layer, new.astype(cache_layer.dtype), start)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array) -> jax.Array:
+    """q [B, T, K, G, H] over cache k, v [B, S, K, H]; query at position p sees keys 0..p."""
+    scale = q.shape[-1] ** -0.5
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) * scale
+    visible = jnp.arange(k.shape[1])[None, None, :] <= q_pos[:, :, None]  # [B, T, S]
+    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgts,bskh->btkgh", probs, v)
+
+
+def decoder_layer(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array, positions: jax.Array,
+                  cos: jax.Array, sin: jax.Array, k_cache: jax.Array, v_cache: jax.Array):
+    """One pre-norm decoder block. h [B, T, D]; k_cache, v_cache [B, S, K, H] of this layer."""
+    g = cfg.group_size
+    x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
+    qkv = x @ lp["wqkv"]
+    if "bqkv" in lp:
+        qkv = qkv + lp["bqkv"]
+    qkv = qkv.reshape(*qkv.shape[:2], cfg.num_kv_heads, g + 2, cfg.head_dim)
+    q = _rotate(qkv[:, :, :, :g], cos[:, :, None, None], sin[:, :, None, None])
+    k = _rotate(qkv[:, :, :, g], cos[:, :, None], sin[:, :, None])
+    v = qkv[:, :, :, g + 1]
+    k_cache = _write(k_cache, k, positions[:, 0])
+    v_cache = _write(v_cache, v, positions[:, 0])
+    out = attention(q, k_cache, v_cache, positions)
+    h = h + out.reshape(*out.shape[:2], -1) @ lp["wo"]
+    x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
+    gate, up = jnp.split(x @ lp["w_gate_up"], 2, axis=-1)
+    return h + (jax.nn.silu(gate) * up) @ lp["w_down"], k_cache, v_cache
+
+
+def embed(params: Params, tokens: jax.Array) -> jax.Array:
+    return params["embed"][tokens]
+
+
+def run_layers(params: Params, cfg: ModelConfig, h: jax.Array, positions: jax.Array, cache: KVCache,
+               layers: Sequence[int] | None = None):
+    """Run the given layers (default: all, in order) on hidden states h [B, T, D] at positions
+    [B, T]. Layers not listed neither change h nor write the cache: a contiguous range is an early
+    exit, a range with holes is layer skipping. Returns the new h and cache."""
+    cos, sin = rope(cfg, positions)
+    k, v = list(cache.k), list(cache.v)
+    for i in range(cfg.num_layers) if layers is None else layers:
+        h, k[i], v[i] = decoder_layer(cfg, params["layers"][i], h, positions, cos, sin, k[i], v[i])
+    return h, KVCache(k, v)
+
+
+def logits(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
+    """Final norm and LM head: h [..., D] -> float32 logits [..., V]."""
+    x = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+    if "lm_head" in params:
+        return jnp.dot(x, params["lm_head"], preferred_element_type=jnp.float32)
+    return jnp.einsum("...d,vd->...v", x, params["embed"], preferred_element_type=jnp.float32)
+
+
+def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, cache: KVCache):
+    """The whole model: tokens [B, T] at positions [B, T] -> hidden [B, T, D] (pre-norm), cache."""
+    return run_layers(params, cfg, embed(params, tokens), positions, cache)
+
+
+def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], dtype=np.float32) -> Params:
+    """Hugging Face tensor names and orientation ([out, in] linears) -> jspec's stacked layout."""
+    d, k, g, hd = cfg.hidden_size, cfg.num_kv_heads, cfg.group_size, cfg.head_dim
+
+    def get(name):
+        if name not in tensors:
+            raise KeyError(f"checkpoint has no tensor {name!r}")
+        return np.asarray(tensors[name], np.float32)
+
+    def qkv_weight(p):
+        q = get(p + "self_attn.q_proj.weight").reshape(k, g, hd, d)
+        kk = get(p + "self_attn.k_proj.weight").reshape(k, 1, hd, d)
+        v = get(p + "self_attn.v_proj.weight").reshape(k, 1, hd, d)
+        return np.concatenate([q, kk, v], axis=1).reshape(-1, d).T
+
+    def qkv_bias(p):
+        q = get(p + "self_attn.q_proj.bias").reshape(k, g, hd)
+        kk = get(p + "self_attn.k_proj.bias").reshape(k, 1, hd)
+        v = get(p + "self_attn.v_proj.bias").reshape(k, 1, hd)
+        return np.concatenate([q, kk, v], axis=1).reshape(-1)
+
+    fields = {
+        "attn_norm": lambda p: get(p + "input_layernorm.weight"),
+        "wqkv": qkv_weight,
+        # HF's head order is already kv-group major (head i reads kv head i // G).
+        "wo": lambda p: get(p + "self_attn.o_proj.weight").T,
+        "mlp_norm": lambda p: get(p + "post_attention_layernorm.weight"),
+        "w_gate_up": lambda p: np.concatenate(
+            [get(p + "mlp.gate_proj.weight").T, get(p + "mlp.up_proj.weight").T], axis=1),
+        "w_down": lambda p: get(p + "mlp.down_proj.weight").T,
+    }
+    if cfg.attention_bias:
+        fields["bqkv"] = qkv_bias
+    layers = [{name: fn(f"model.layers.{i}.").astype(dtype) for name, fn in fields.items()}
+              for i in range(cfg.num_layers)]
+    params = {
+        "embed": get("model.embed_tokens.weight").astype(dtype),
+        "layers": layers,
+        "final_norm": get("model.norm.weight").astype(dtype),
+    }
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = get("lm_head.weight").T.astype(dtype)
+    return params
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    """Expected shape of every parameter, used to refuse checkpoints of another model."""
+    D, V, F = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size
+    qkv, heads = cfg.num_kv_heads * (cfg.group_size + 2) * cfg.head_dim, cfg.num_heads * cfg.head_dim
+    layer = {"attn_norm": (D,), "wqkv": (D, qkv), "wo": (heads, D), "mlp_norm": (D,),
+             "w_gate_up": (D, 2 * F), "w_down": (F, D)}
+    if cfg.attention_bias:
+        layer["bqkv"] = (qkv,)
+    shapes = {"embed": (V, D), "layers": [dict(layer) for _ in range(cfg.num_layers)], "final_norm": (D,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (D, V)
+    return shapes

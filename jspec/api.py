@@ -1,0 +1,204 @@
+"""The Python API: `jspec.load(...)` returns a `Model` whose `generate` returns one record per prompt.
+
+    import jspec
+    m = jspec.load()                       # SmolLM2-135M-Instruct, converted once and cached
+    [r] = m.generate(["Name three primes."], max_new_tokens=64)
+    print(r["text"], r["tokens_per_second"])
+
+Prompts are batched in order (`batch_size` rows per compiled call, the last batch padded) and
+right-padded to a length bucket, so a program is compiled once per (batch, prompt bucket,
+max_new_tokens, sampling, method) and never per prompt. Compilation happens before the clock
+starts: `seconds` is the wall time of the batch that produced a record, prefill included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Iterable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec import sharding
+from jspec.config import ModelConfig
+from jspec.convert import cache as model_cache
+from jspec.convert import store
+from jspec.engine import ar
+from jspec.errors import JspecError
+from jspec.model import KVCache
+from jspec.sampling import Sampling
+
+METHODS = ("ar",)
+MIN_PROMPT_BUCKET = 32
+CACHE_ALIGN = 64
+
+Prompt = str | Sequence[dict] | dict
+
+
+@dataclasses.dataclass
+class Request:
+    """A prompt ready to run: its id, the text or messages it came from, and its token ids."""
+
+    id: Any
+    token_ids: list[int]
+
+
+def load(model: str | None = None, dtype: str = "float32", mesh: str | jax.sharding.Mesh | None = None) -> "Model":
+    """Load `model` (a converted folder, GGUF file, HF folder or cached hub id; None = the default
+    SmolLM2-135M-Instruct) in `dtype`, optionally sharded over `mesh` ('data=2,model=4')."""
+    if dtype not in store.DTYPES:
+        raise JspecError(f"unknown dtype {dtype!r}; choose float32 or bfloat16")
+    mesh = sharding.make_mesh(mesh)
+    path = model_cache.resolve(model, dtype)
+    cfg, _, _ = _peek_config(path)
+    shardings = sharding.param_shardings(_shapes(cfg), mesh) if mesh is not None else None
+    cfg, params, tokenizer = store.load(path, dtype, shardings)
+    return Model(cfg, params, tokenizer, mesh, name=model or model_cache.DEFAULT_MODEL)
+
+
+def _peek_config(path):
+    import json
+
+    meta = json.loads((path / "jspec.json").read_text())
+    return ModelConfig.from_json(meta["config"]), meta["dtype"], meta.get("source")
+
+
+def _shapes(cfg: ModelConfig):
+    from jspec.model import param_shapes
+
+    return param_shapes(cfg)
+
+
+def _bucket(n: int, minimum: int) -> int:
+    return max(minimum, 1 << (n - 1).bit_length())
+
+
+class Model:
+    def __init__(self, cfg: ModelConfig, params, tokenizer=None, mesh=None, name: str = "model"):
+        self.cfg, self.params, self.tokenizer, self.mesh, self.name = cfg, params, tokenizer, mesh, name
+        self._compiled: dict = {}
+        self._caches: dict = {}
+
+    # -- prompts -----------------------------------------------------------------------------
+    def encode(self, prompt: Prompt, chat: bool = True) -> list[int]:
+        """Token ids of a prompt: a string, a list of chat messages, or a dict with one of them."""
+        if isinstance(prompt, dict):
+            prompt = prompt.get("messages") or prompt.get("prompt")
+        if self.tokenizer is None:
+            raise JspecError(f"model {self.name} has no tokenizer: pass token ids instead of text")
+        if isinstance(prompt, str) and not chat:
+            return list(self.tokenizer(prompt)["input_ids"])
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if chat and getattr(self.tokenizer, "chat_template", None) is None:
+            raise JspecError(f"model {self.name} has no chat template: use --no-chat")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def requests(self, prompts: Iterable[Prompt], chat: bool = True) -> list[Request]:
+        out = []
+        for i, p in enumerate(prompts):
+            pid = p.get("id", i) if isinstance(p, dict) else i
+            if isinstance(p, dict) and "token_ids" in p:
+                ids = list(p["token_ids"])
+            else:
+                ids = self.encode(p, chat)
+            if not ids:
+                raise JspecError(f"prompt {pid!r} is empty")
+            out.append(Request(pid, ids))
+        return out
+
+    # -- generation --------------------------------------------------------------------------
+    def generate(self, prompts: Prompt | Iterable[Prompt], method: str = "ar", **options) -> list[dict]:
+        """Records (id, text, token_ids, new_tokens, seconds, tokens_per_second, stats) in prompt order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        return list(self.stream(self.requests(prompts, options.pop("chat", True)), method, **options))
+
+    def stream(self, requests: Sequence[Request], method: str = "ar", *, max_new_tokens: int = 128,
+               batch_size: int = 1, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+               seed: int = 0) -> Iterator[dict]:
+        """Yield records batch by batch, as each batch finishes (the CLI writes them as they come)."""
+        if method not in METHODS:
+            raise JspecError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        if max_new_tokens < 1:
+            raise JspecError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+        if batch_size < 1:
+            raise JspecError(f"--batch-size must be >= 1, got {batch_size}")
+        sampling = Sampling(temperature, top_k, top_p)
+        context = self.cfg.max_position_embeddings
+        for r in requests:
+            if len(r.token_ids) + max_new_tokens > context:
+                raise JspecError(
+                    f"prompt {r.id!r} has {len(r.token_ids)} tokens; with --max-new-tokens {max_new_tokens} "
+                    f"that exceeds the model's context of {context}")
+        for start in range(0, len(requests), batch_size):
+            batch = requests[start:start + batch_size]
+            key = jax.random.fold_in(jax.random.key(seed), start)
+            yield from self._run_batch(batch, batch_size, max_new_tokens, sampling, key)
+
+    def _run_batch(self, batch: Sequence[Request], rows: int, max_new: int, sampling: Sampling, key) -> list[dict]:
+        lens = [len(r.token_ids) for r in batch]
+        p = min(_bucket(max(lens), MIN_PROMPT_BUCKET), self.cfg.max_position_embeddings)
+        s = -(-(p + max_new) // CACHE_ALIGN) * CACHE_ALIGN
+        tokens = np.zeros((rows, p), np.int32)
+        prompt_lens = np.full((rows,), lens[0], np.int32)  # padding rows repeat the first prompt
+        for i, r in enumerate(list(batch) + [batch[0]] * (rows - len(batch))):
+            tokens[i, :len(r.token_ids)] = r.token_ids
+            prompt_lens[i] = len(r.token_ids)
+        eos = np.asarray(self.cfg.eos_token_ids or (-1,), np.int32)
+        args = self._place(tokens, prompt_lens, eos)
+        cache = self._cache(rows, s)
+        fn = self._compile(rows, p, s, max_new, sampling, cache, args, key)
+        t0 = time.perf_counter()
+        out, n, rounds, cache = fn(self.params, cache, *args, key)
+        out, n, rounds = jax.device_get((out, n, rounds))
+        seconds = time.perf_counter() - t0
+        self._caches[(rows, s)] = cache
+        return [self._record(r, out[i, :n[i]], int(rounds[i]), seconds) for i, r in enumerate(batch)]
+
+    def _place(self, tokens, prompt_lens, eos):
+        if self.mesh is None:
+            return jnp.asarray(tokens), jnp.asarray(prompt_lens), jnp.asarray(eos)
+        put = lambda x: jax.device_put(x, sharding.rows_sharding(self.mesh, x.shape))
+        return put(tokens), put(prompt_lens), jax.device_put(eos, sharding.NamedSharding(self.mesh, sharding.P()))
+
+    def _cache(self, rows: int, length: int) -> KVCache:
+        cache = self._caches.pop((rows, length), None)
+        if cache is None:
+            dtype = jax.tree.leaves(self.params)[0].dtype
+            cache = KVCache.zeros(self.cfg, rows, length, dtype)
+            if self.mesh is not None:
+                shape = cache.k[0].shape
+                cache = jax.device_put(cache, sharding.cache_sharding(self.mesh, shape))
+        return cache
+
+    def _compile(self, rows, p, s, max_new, sampling, cache, args, key):
+        sig = (rows, p, s, max_new, sampling)
+        if sig not in self._compiled:
+            lowered = ar.generate.lower(self.params, cache, *args, key, cfg=self.cfg, sampling=sampling,
+                                        max_new_tokens=max_new)
+            self._compiled[sig] = lowered.compile()
+        return self._compiled[sig]
+
+    def _record(self, req: Request, ids: np.ndarray, rounds: int, seconds: float) -> dict:
+        ids = [int(t) for t in ids]
+        text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else None
+        new = len(ids)
+        return {
+            "id": req.id,
+            "text": text,
+            "token_ids": ids,
+            "new_tokens": new,
+            "prompt_tokens": len(req.token_ids),
+            "seconds": round(seconds, 6),
+            "tokens_per_second": round(new / seconds, 3) if seconds > 0 else None,
+            "stats": {
+                "rounds": rounds,
+                "drafted": 0,
+                "accepted": 0,
+                "mean_accepted_tokens": round(new / max(rounds, 1), 4),
+                "acceptance_rate": None,
+            },
+        }

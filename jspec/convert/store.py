@@ -1,0 +1,132 @@
+"""Converted checkpoints: one folder per model, written once, loaded fast.
+
+    OUT/jspec.json   format version, ModelConfig, dtype, where it came from
+    OUT/params/      the parameter pytree, saved with orbax
+    OUT/tokenizer*   the tokenizer and its chat template (transformers' save_pretrained)
+
+A folder is written under a temporary name and renamed when complete, so an interrupted
+conversion never leaves something that looks like a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec import model
+from jspec.config import ModelConfig
+from jspec.errors import JspecError
+
+FORMAT = 1
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def is_converted(path: str | os.PathLike) -> bool:
+    return (Path(path) / "jspec.json").is_file()
+
+
+def _read_source(src: str):
+    """(HF config dict, HF-named tensors, tokenizer or None) from a GGUF file or an HF source."""
+    if str(src).endswith(".gguf"):
+        from jspec.convert.gguf import read_gguf
+
+        hf_config, tensors = read_gguf(src)
+        path = Path(src)
+        tokenizer = _tokenizer_or_none(str(path.parent), gguf_file=path.name)
+    else:
+        from jspec.convert.hf import read_hf, resolve_hf_dir
+
+        hf_config, tensors = read_hf(src)
+        tokenizer = _tokenizer_or_none(str(resolve_hf_dir(src)))
+    return hf_config, tensors, tokenizer
+
+
+def _tokenizer_or_none(path: str, **kwargs):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, **kwargs)
+    except (OSError, ValueError, TypeError) as e:
+        logging.getLogger("jspec").warning("no tokenizer found with %s (%s): token ids only", path, e)
+        return None
+
+
+def convert(src: str, out: str | os.PathLike, dtype: str = "float32") -> Path:
+    """Convert a GGUF file, an HF folder or a cached hub id into a jspec checkpoint at `out`."""
+    if dtype not in DTYPES:
+        raise JspecError(f"unknown dtype {dtype!r}; choose float32 or bfloat16")
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise JspecError(f"output folder {out} exists and is not empty")
+    hf_config, tensors, tokenizer = _read_source(src)
+    cfg = ModelConfig.from_hf(hf_config)
+    if tokenizer is not None:
+        # Chat models end turns with their own token (<|im_end|>, <|eot_id|>): stop there too.
+        eos = {tokenizer.eos_token_id, *cfg.eos_token_ids} - {None}
+        cfg = ModelConfig.from_json({**cfg.to_json(), "eos_token_ids": sorted(eos)})
+    params = model.params_from_hf(cfg, tensors, DTYPES[dtype])
+    del tensors
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        _save_params(tmp / "params", params)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        meta = {"format": FORMAT, "config": cfg.to_json(), "dtype": dtype, "source": str(src)}
+        (tmp / "jspec.json").write_text(json.dumps(meta, indent=1))
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _save_params(path: Path, params) -> None:
+    import orbax.checkpoint as ocp
+
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(path.absolute(), jax.tree.map(jnp.asarray, params))
+    ckpt.wait_until_finished()
+
+
+def load(path: str | os.PathLike, dtype: str | None = None, shardings=None):
+    """Load a converted checkpoint: (ModelConfig, params, tokenizer or None).
+
+    `dtype` casts on load (e.g. a float32 checkpoint run in bfloat16); `shardings`, a pytree of
+    `jax.sharding.Sharding` matching the parameters, places each array directly where it lives.
+    """
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    meta = json.loads((path / "jspec.json").read_text())
+    if meta.get("format") != FORMAT:
+        raise JspecError(f"{path} was written by another jspec version (format {meta.get('format')}); convert again")
+    cfg = ModelConfig.from_json(meta["config"])
+    stored = DTYPES[meta["dtype"]]
+    abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, stored), model.param_shapes(cfg),
+                            is_leaf=lambda x: isinstance(x, tuple))
+    if shardings is not None:
+        abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    params = ocp.StandardCheckpointer().restore(path / "params", abstract)
+    if dtype is not None and DTYPES[dtype] != stored:
+        params = jax.tree.map(lambda x: x.astype(DTYPES[dtype]), params)
+    tokenizer = None
+    if (path / "tokenizer_config.json").exists():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    return cfg, params, tokenizer
+
+
+def param_count(params) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))

@@ -1,0 +1,73 @@
+"""Sharding over a `Mesh` with a `data` axis (batch rows) and a `model` axis (tensor parallel).
+
+One rules table maps each parameter name to the mesh axis of each of its dimensions. A dimension
+that does not divide evenly by its axis size stays replicated (SmolLM2's 3 kv heads on 4 devices,
+say): correct, only less parallel. jit's sharding propagation does the rest.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jspec.errors import JspecError
+
+# Parameter name -> mesh axis of each dimension (Megatron style: column-parallel in, row-parallel out).
+RULES: dict[str, tuple[str | None, ...]] = {
+    "embed": ("model", None),
+    "lm_head": (None, "model"),
+    "final_norm": (None,),
+    "attn_norm": (None,),
+    "mlp_norm": (None,),
+    "wqkv": (None, "model"),
+    "bqkv": ("model",),
+    "wo": ("model", None),
+    "w_gate_up": (None, "model"),
+    "w_down": ("model", None),
+}
+# KV cache per layer [B, S, K, H]: rows over data, kv heads over model.
+CACHE_RULE = ("data", None, "model", None)
+
+
+def make_mesh(spec: str | Mesh | None) -> Mesh | None:
+    """'data=2,model=4' -> Mesh over the first data*model devices; either axis may be left out."""
+    if spec is None or isinstance(spec, Mesh):
+        return spec
+    sizes = {"data": 1, "model": 1}
+    for part in filter(None, spec.replace(" ", "").split(",")):
+        name, _, value = part.partition("=")
+        if name not in sizes or not value.isdigit() or int(value) < 1:
+            raise JspecError(f"bad --mesh {spec!r}: write it as data=N,model=M")
+        sizes[name] = int(value)
+    need, have = sizes["data"] * sizes["model"], len(jax.devices())
+    if need > have:
+        raise JspecError(f"--mesh {spec} needs {need} devices but only {have} are available")
+    devices = np.array(jax.devices()[:need]).reshape(sizes["data"], sizes["model"])
+    return Mesh(devices, ("data", "model"))
+
+
+def _spec(mesh: Mesh, axes: tuple[str | None, ...], shape: tuple[int, ...]) -> P:
+    return P(*(a if a is not None and dim % mesh.shape[a] == 0 else None for a, dim in zip(axes, shape)))
+
+
+def param_shardings(params, mesh: Mesh):
+    """A NamedSharding for every parameter (a pytree like `params`, which may hold shapes)."""
+
+    def one(path, leaf):
+        name = re.sub(r"\W", "", str(path[-1]))
+        shape = leaf if isinstance(leaf, tuple) else leaf.shape
+        return NamedSharding(mesh, _spec(mesh, RULES[name], shape))
+
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def cache_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+    return NamedSharding(mesh, _spec(mesh, CACHE_RULE, shape))
+
+
+def rows_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+    """Per-row inputs ([B, ...]) are split over the data axis."""
+    return NamedSharding(mesh, _spec(mesh, ("data",) + (None,) * (len(shape) - 1), shape))

@@ -25,12 +25,13 @@ from jspec import sharding
 from jspec.config import ModelConfig
 from jspec.convert import cache as model_cache
 from jspec.convert import store
-from jspec.engine import ar
+from jspec import methods
+from jspec.engine import loop
 from jspec.errors import JspecError
-from jspec.model import KVCache
+from jspec.model import KVCache, param_shapes
 from jspec.sampling import Sampling
 
-METHODS = ("ar",)
+METHODS = methods.METHODS
 MIN_PROMPT_BUCKET = 32
 CACHE_ALIGN = 64
 
@@ -43,6 +44,7 @@ class Request:
 
     id: Any
     token_ids: list[int]
+    index: int = 0  # position in the caller's full prompt list: seeds follow it across resumes
 
 
 def load(model: str | None = None, dtype: str = "float32", mesh: str | jax.sharding.Mesh | None = None) -> "Model":
@@ -52,23 +54,10 @@ def load(model: str | None = None, dtype: str = "float32", mesh: str | jax.shard
         raise JspecError(f"unknown dtype {dtype!r}; choose float32 or bfloat16")
     mesh = sharding.make_mesh(mesh)
     path = model_cache.resolve(model, dtype)
-    cfg, _, _ = _peek_config(path)
-    shardings = sharding.param_shardings(_shapes(cfg), mesh) if mesh is not None else None
+    cfg, _ = store.read_meta(path)
+    shardings = sharding.param_shardings(param_shapes(cfg), mesh) if mesh is not None else None
     cfg, params, tokenizer = store.load(path, dtype, shardings)
     return Model(cfg, params, tokenizer, mesh, name=model or model_cache.DEFAULT_MODEL)
-
-
-def _peek_config(path):
-    import json
-
-    meta = json.loads((path / "jspec.json").read_text())
-    return ModelConfig.from_json(meta["config"]), meta["dtype"], meta.get("source")
-
-
-def _shapes(cfg: ModelConfig):
-    from jspec.model import param_shapes
-
-    return param_shapes(cfg)
 
 
 def _bucket(n: int, minimum: int) -> int:
@@ -90,15 +79,18 @@ class Model:
             raise JspecError(f"model {self.name} has no tokenizer: pass token ids instead of text")
         if isinstance(prompt, str) and not chat:
             return list(self.tokenizer(prompt)["input_ids"])
+        if not chat:
+            raise JspecError("chat messages need the chat template; give plain prompts to use --no-chat")
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         if chat and getattr(self.tokenizer, "chat_template", None) is None:
             raise JspecError(f"model {self.name} has no chat template: use --no-chat")
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def requests(self, prompts: Iterable[Prompt], chat: bool = True) -> list[Request]:
+    def requests(self, prompts: Iterable[Prompt], chat: bool = True, start: int = 0) -> list[Request]:
+        """Encode prompts; `start` is the index of the first one in the caller's full list."""
         out = []
-        for i, p in enumerate(prompts):
+        for i, p in enumerate(prompts, start):
             pid = p.get("id", i) if isinstance(p, dict) else i
             if isinstance(p, dict) and "token_ids" in p:
                 ids = list(p["token_ids"])
@@ -106,7 +98,7 @@ class Model:
                 ids = self.encode(p, chat)
             if not ids:
                 raise JspecError(f"prompt {pid!r} is empty")
-            out.append(Request(pid, ids))
+            out.append(Request(pid, ids, i))
         return out
 
     # -- generation --------------------------------------------------------------------------
@@ -118,10 +110,18 @@ class Model:
 
     def stream(self, requests: Sequence[Request], method: str = "ar", *, max_new_tokens: int = 128,
                batch_size: int = 1, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-               seed: int = 0) -> Iterator[dict]:
-        """Yield records batch by batch, as each batch finishes (the CLI writes them as they come)."""
-        if method not in METHODS:
-            raise JspecError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+               seed: int = 0, **method_options) -> Iterator[dict]:
+        """Check everything, then return an iterator of records that runs batch by batch (the CLI
+        writes them as they come).
+
+        `method_options` are those of `jspec.methods.build` (max_draft, controller, exit_layer,
+        skip_layers, draft_model, threshold, ...); `draft_model` may be a path or a loaded Model.
+        Sampling keys follow the index of each batch's first request, so a resumed run samples
+        what the uninterrupted run would have (for the same batch size).
+        """
+        if isinstance(method_options.get("draft_model"), str):
+            method_options["draft_model"] = load(method_options["draft_model"], self._dtype_name())
+        plan = methods.build(method, self, **method_options)
         if max_new_tokens < 1:
             raise JspecError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
         if batch_size < 1:
@@ -133,15 +133,24 @@ class Model:
                 raise JspecError(
                     f"prompt {r.id!r} has {len(r.token_ids)} tokens; with --max-new-tokens {max_new_tokens} "
                     f"that exceeds the model's context of {context}")
+        return self._batches(list(requests), batch_size, max_new_tokens, sampling, seed, plan)
+
+    def _batches(self, requests, batch_size, max_new_tokens, sampling, seed, plan) -> Iterator[dict]:
         for start in range(0, len(requests), batch_size):
             batch = requests[start:start + batch_size]
-            key = jax.random.fold_in(jax.random.key(seed), start)
-            yield from self._run_batch(batch, batch_size, max_new_tokens, sampling, key)
+            key = jax.random.fold_in(jax.random.key(seed), batch[0].index)
+            yield from self._run_batch(batch, batch_size, max_new_tokens, sampling, key, plan)
 
-    def _run_batch(self, batch: Sequence[Request], rows: int, max_new: int, sampling: Sampling, key) -> list[dict]:
+    def _dtype_name(self) -> str:
+        dtype = jax.tree.leaves(self.params)[0].dtype
+        return next(name for name, d in store.DTYPES.items() if d == dtype)
+
+    def _run_batch(self, batch: Sequence[Request], rows: int, max_new: int, sampling: Sampling, key,
+                   plan) -> list[dict]:
+        drafter, dparams, controller = plan
         lens = [len(r.token_ids) for r in batch]
-        p = min(_bucket(max(lens), MIN_PROMPT_BUCKET), self.cfg.max_position_embeddings)
-        s = -(-(p + max_new) // CACHE_ALIGN) * CACHE_ALIGN
+        p = _bucket(max(lens), MIN_PROMPT_BUCKET)
+        s = -(-(p + max_new + drafter.max_draft + 1) // CACHE_ALIGN) * CACHE_ALIGN
         tokens = np.zeros((rows, p), np.int32)
         prompt_lens = np.full((rows,), lens[0], np.int32)  # padding rows repeat the first prompt
         for i, r in enumerate(list(batch) + [batch[0]] * (rows - len(batch))):
@@ -150,13 +159,14 @@ class Model:
         eos = np.asarray(self.cfg.eos_token_ids or (-1,), np.int32)
         args = self._place(tokens, prompt_lens, eos)
         cache = self._cache(rows, s)
-        fn = self._compile(rows, p, s, max_new, sampling, cache, args, key)
+        fn = self._compile(rows, p, s, max_new, sampling, plan, cache, args, key)
         t0 = time.perf_counter()
-        out, n, rounds, cache = fn(self.params, cache, *args, key)
-        out, n, rounds = jax.device_get((out, n, rounds))
+        out, stats, cache = fn(self.params, dparams, cache, *args, key)
+        out, stats = jax.device_get((out, stats))
         seconds = time.perf_counter() - t0
         self._caches[(rows, s)] = cache
-        return [self._record(r, out[i, :n[i]], int(rounds[i]), seconds) for i, r in enumerate(batch)]
+        return [self._record(r, out[i, :stats["new_tokens"][i]], {k: int(v[i]) for k, v in stats.items()}, seconds)
+                for i, r in enumerate(batch)]
 
     def _place(self, tokens, prompt_lens, eos):
         if self.mesh is None:
@@ -174,15 +184,16 @@ class Model:
                 cache = jax.device_put(cache, sharding.cache_sharding(self.mesh, shape))
         return cache
 
-    def _compile(self, rows, p, s, max_new, sampling, cache, args, key):
-        sig = (rows, p, s, max_new, sampling)
+    def _compile(self, rows, p, s, max_new, sampling, plan, cache, args, key):
+        drafter, dparams, controller = plan
+        sig = (rows, p, s, max_new, sampling, drafter, controller)
         if sig not in self._compiled:
-            lowered = ar.generate.lower(self.params, cache, *args, key, cfg=self.cfg, sampling=sampling,
-                                        max_new_tokens=max_new)
+            lowered = loop.generate.lower(self.params, dparams, cache, *args, key, cfg=self.cfg, sampling=sampling,
+                                          max_new_tokens=max_new, drafter=drafter, controller=controller)
             self._compiled[sig] = lowered.compile()
         return self._compiled[sig]
 
-    def _record(self, req: Request, ids: np.ndarray, rounds: int, seconds: float) -> dict:
+    def _record(self, req: Request, ids: np.ndarray, stats: dict, seconds: float) -> dict:
         ids = [int(t) for t in ids]
         text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else None
         new = len(ids)
@@ -195,10 +206,10 @@ class Model:
             "seconds": round(seconds, 6),
             "tokens_per_second": round(new / seconds, 3) if seconds > 0 else None,
             "stats": {
-                "rounds": rounds,
-                "drafted": 0,
-                "accepted": 0,
-                "mean_accepted_tokens": round(new / max(rounds, 1), 4),
-                "acceptance_rate": None,
+                "rounds": stats["rounds"],
+                "drafted": stats["drafted"],
+                "accepted": stats["accepted"],
+                "mean_accepted_tokens": round(new / max(stats["rounds"], 1), 4),
+                "acceptance_rate": round(stats["accepted"] / stats["drafted"], 4) if stats["drafted"] else None,
             },
         }

@@ -87,7 +87,7 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", arch == "qwen2")),
+            attention_bias=arch == "qwen2" or bool(hf.get("attention_bias")),  # Qwen2 always has q/k/v bias
             rope_llama3=llama3,
             eos_token_ids=eos_ids,
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import os
 from pathlib import Path
 
@@ -51,5 +52,6 @@ def resolve(model: str | None, dtype: str = "float32") -> Path:
         name = f"{local.name or 'model'}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
     out = cache_dir() / f"{name}-{dtype}"
     if not store.is_converted(out):
+        logging.getLogger("jspec").warning("converting %s into %s (once)", src, out)
         store.convert(src, out, dtype)
     return out

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jspec import model
 from jspec.config import ModelConfig
@@ -44,8 +43,10 @@ def _read_source(src: str):
     else:
         from jspec.convert.hf import read_hf, resolve_hf_dir
 
-        hf_config, tensors = read_hf(src)
-        tokenizer = _tokenizer_or_none(str(resolve_hf_dir(src)))
+        folder = resolve_hf_dir(src)
+        ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))  # refuse early, before the weights
+        hf_config, tensors = read_hf(str(folder))
+        tokenizer = _tokenizer_or_none(str(folder))
     return hf_config, tensors, tokenizer
 
 
@@ -54,8 +55,9 @@ def _tokenizer_or_none(path: str, **kwargs):
 
     try:
         return AutoTokenizer.from_pretrained(path, **kwargs)
-    except (OSError, ValueError, TypeError) as e:
-        logging.getLogger("jspec").warning("no tokenizer found with %s (%s): token ids only", path, e)
+    except (OSError, ValueError, TypeError, KeyError) as e:  # KeyError: a GGUF without a vocabulary
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        logging.getLogger("jspec").warning("no tokenizer found with %s (%s): token ids only", path, reason)
         return None
 
 
@@ -108,10 +110,7 @@ def load(path: str | os.PathLike, dtype: str | None = None, shardings=None):
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
-    meta = json.loads((path / "jspec.json").read_text())
-    if meta.get("format") != FORMAT:
-        raise JspecError(f"{path} was written by another jspec version (format {meta.get('format')}); convert again")
-    cfg = ModelConfig.from_json(meta["config"])
+    cfg, meta = read_meta(path)
     stored = DTYPES[meta["dtype"]]
     abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, stored), model.param_shapes(cfg),
                             is_leaf=lambda x: isinstance(x, tuple))
@@ -128,5 +127,9 @@ def load(path: str | os.PathLike, dtype: str | None = None, shardings=None):
     return cfg, params, tokenizer
 
 
-def param_count(params) -> int:
-    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
+def read_meta(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
+    """The ModelConfig and metadata of a converted checkpoint, refusing other format versions."""
+    meta = json.loads((Path(path) / "jspec.json").read_text())
+    if meta.get("format") != FORMAT:
+        raise JspecError(f"{path} was written by another jspec version (format {meta.get('format')}); convert again")
+    return ModelConfig.from_json(meta["config"]), meta

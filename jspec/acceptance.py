@@ -1,0 +1,60 @@
+"""Deciding how much of a draft the target keeps.
+
+Shapes: B rows, K draft slots, V vocab. Row b drafted tokens draft[b, :n_draft[b]]; slots beyond
+are ignored. The target's logits [B, K+1, V] come from one forward over [last, draft...], so
+position i predicts the token after draft i (position 0: after the last committed token).
+Both rules return (n_accepted [B], next_token [B]): the row emits draft[:n_accepted] and then
+next_token, the target's own token at the first rejection or the bonus after a full accept.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jspec.sampling import Sampling, probabilities, sample
+
+
+def _leading_true(ok: jax.Array) -> jax.Array:
+    """Length of the run of True at the start of each row: [B, K] -> [B]."""
+    return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=-1), axis=-1)
+
+
+def _at(x: jax.Array, index: jax.Array) -> jax.Array:
+    """x[b, index[b]] for x [B, N, ...]."""
+    return jnp.take_along_axis(x, index.reshape(-1, 1, *([1] * (x.ndim - 2))), axis=1)[:, 0]
+
+
+def greedy(draft: jax.Array, n_draft: jax.Array, target_logits: jax.Array):
+    """Keep the longest prefix equal to the target's argmax, then the target's token."""
+    choice = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, K+1]
+    k = draft.shape[1]
+    ok = (draft == choice[:, :k]) & (jnp.arange(k) < n_draft[:, None])
+    n_acc = _leading_true(ok)
+    return n_acc, _at(choice, n_acc)
+
+
+def rejection(draft: jax.Array, draft_probs: jax.Array | None, n_draft: jax.Array, target_logits: jax.Array,
+              sampling: Sampling, key: jax.Array):
+    """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023): accept draft token x with
+    probability min(1, p(x)/q(x)); at the first rejection draw from normalize(max(p - q, 0));
+    after a full accept draw the bonus from p. The emitted tokens are distributed exactly as
+    sampling from the target. `draft_probs` [B, K, V] is q; None means a deterministic drafter
+    (q is one-hot on the drafted token, as for n-gram lookup)."""
+    p = probabilities(target_logits, sampling)  # [B, K+1, V]
+    b, k = draft.shape
+    p_x = jnp.take_along_axis(p[:, :k], draft[..., None], axis=-1)[..., 0]
+    if draft_probs is None:
+        draft_probs = jax.nn.one_hot(draft, p.shape[-1], dtype=p.dtype)
+    q_x = jnp.take_along_axis(draft_probs, draft[..., None], axis=-1)[..., 0]
+    key_accept, key_next = jax.random.split(key)
+    u = jax.random.uniform(key_accept, (b, k))
+    ok = (u * q_x < p_x) & (jnp.arange(k) < n_draft[:, None])
+    n_acc = _leading_true(ok)
+    p_next = _at(p, n_acc)
+    q_next = _at(jnp.concatenate([draft_probs, jnp.zeros_like(p[:, :1])], axis=1), n_acc)
+    residual = jnp.maximum(p_next - q_next, 0.0)
+    mass = residual.sum(-1, keepdims=True)
+    rejected = (n_acc < n_draft)[:, None] & (mass > 0)
+    dist = jnp.where(rejected, residual / jnp.where(mass > 0, mass, 1.0), p_next)
+    return n_acc, sample(dist, key_next)

@@ -1,0 +1,355 @@
+"""The `jspec` command line: generate, convert, bench.
+
+    jspec generate "Name three primes."                       # the answer on stdout, speed on stderr
+    jspec generate --prompts in.jsonl --output out.jsonl     # one record per prompt, resumable
+    jspec convert model.gguf converted/                       # convert once, load fast
+    jspec bench ...                                           # see jspec/bench.py
+
+Every user or input error ends as one line, `jspec: error: ...`, on stderr, with exit status 2
+(1 for other I/O failures, 130 on Ctrl-C): no tracebacks. Cheap checks run before the model is
+loaded, so bad input fails in a second. Set JSPEC_DEBUG=1 to see the traceback anyway.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import math
+import os
+import sys
+import time
+from typing import Sequence
+
+from jspec.errors import JspecError
+
+PROG = "jspec"
+EXIT_USAGE = 2
+EXIT_IO = 1
+EXIT_INTERRUPTED = 130
+
+
+class _UsageError(Exception):
+    """An argparse error, turned into our one-line message."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse would print the usage and exit; we want one line
+        raise _UsageError(f"{message} (see {self.prog} --help)")
+
+
+# -- options shared by every command that generates (generate, and bench may reuse them) -------
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None, metavar="PATH_OR_ID",
+                   help="a converted jspec folder, a GGUF file, a Hugging Face folder or a hub id in the "
+                        "local HF cache (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="parameter and cache dtype (default: %(default)s)")
+    g.add_argument("--mesh", default=None, metavar="data=N,model=M",
+                   help="shard over a device mesh: batch rows over 'data', tensor parallel over 'model'")
+
+
+def add_generation_options(p: argparse.ArgumentParser) -> None:
+    """The options of `Model.stream`; methods that need their own options add a group next to it."""
+    from jspec.api import METHODS
+
+    g = p.add_argument_group("generation")
+    g.add_argument("--method", default="ar",
+                   help=f"decoding method: {', '.join(METHODS)} (default: %(default)s)")
+    g.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
+                   help="tokens to generate per prompt at most (default: %(default)s)")
+    g.add_argument("--batch-size", type=int, default=1, metavar="N",
+                   help="prompts per compiled call (default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="sampling temperature; 0 is greedy (default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="sample among the K most likely tokens; 0 is off (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="nucleus sampling mass in (0, 1]; 1 is off (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=0, help="random seed for sampling (default: %(default)s)")
+    g.add_argument("--no-chat", action="store_true",
+                   help="feed text prompts as they are, without the model's chat template")
+
+
+def check_generation_args(args: argparse.Namespace) -> None:
+    """Cheap checks of the generation options, before any model is loaded."""
+    from jspec.api import METHODS
+    from jspec.sampling import Sampling
+
+    if args.method not in METHODS:
+        raise JspecError(f"unknown --method {args.method!r}; choose one of {', '.join(METHODS)}")
+    if args.max_new_tokens < 1:
+        raise JspecError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.batch_size < 1:
+        raise JspecError(f"--batch-size must be >= 1, got {args.batch_size}")
+    for name in ("temperature", "top_p"):
+        if not math.isfinite(getattr(args, name)):
+            raise JspecError(f"--{name.replace('_', '-')} must be a finite number")
+    Sampling(args.temperature, args.top_k, args.top_p)  # raises a JspecError naming the option
+    if args.mesh is not None:
+        for part in filter(None, args.mesh.replace(" ", "").split(",")):
+            name, _, value = part.partition("=")
+            if name not in ("data", "model") or not value.isdigit() or int(value) < 1:
+                raise JspecError(f"bad --mesh {args.mesh!r}: write it as data=N,model=M")
+
+
+def generation_options(args: argparse.Namespace) -> dict:
+    """The keyword arguments of `Model.stream` (after the requests and the method)."""
+    return dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, temperature=args.temperature,
+                top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+
+
+def load_model(args: argparse.Namespace):
+    from jspec.api import load
+
+    return load(args.model, args.dtype, args.mesh)
+
+
+# -- generate ------------------------------------------------------------------------------------
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser(
+        "generate", help="generate text for one prompt or a JSONL file of prompts",
+        description="Generate text for one PROMPT (the answer goes to stdout, the speed to stderr) or for "
+                    "every prompt of a JSONL file (one record per prompt, written batch by batch to "
+                    "OUT.partial and renamed to OUT when the run completes).")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("prompt", nargs="?", metavar="PROMPT", help="the prompt text")
+    src.add_argument("--prompts", metavar="IN.jsonl",
+                     help='a JSONL file: one {"prompt": ...} or {"messages": [...]} object a line, '
+                          'with an optional "id"')
+    p.add_argument("--output", metavar="OUT.jsonl", help="where the records go (required with --prompts)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the records of an interrupted run (OUT.partial) and do only the rest")
+    add_model_options(p)
+    add_generation_options(p)
+    p.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    if args.prompts is None:
+        if args.prompt is None:
+            raise _UsageError("give a PROMPT or --prompts IN.jsonl (see jspec generate --help)")
+        if args.output is not None or args.resume:
+            raise _UsageError("--output and --resume go with --prompts IN.jsonl")
+        if not args.prompt.strip():
+            raise JspecError("the prompt is empty")
+    elif args.output is None:
+        raise _UsageError("--prompts needs --output OUT.jsonl")
+    check_generation_args(args)
+    if args.prompts is None:
+        return _generate_one(args)
+    return _generate_file(args)
+
+
+def _generate_one(args: argparse.Namespace) -> int:
+    model = load_model(args)
+    requests = model.requests([args.prompt], chat=not args.no_chat)
+    [record] = model.stream(requests, args.method, **generation_options(args))
+    text = record["text"] if record["text"] is not None else " ".join(map(str, record["token_ids"]))
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+    print(f"[{record['new_tokens']} tokens, {record['seconds']:.2f} s, {_rate(record)}]", file=sys.stderr)
+    return 0
+
+
+def _rate(record: dict) -> str:
+    tps = record.get("tokens_per_second")
+    return f"{tps:.1f} tokens/s" if tps is not None else "- tokens/s"
+
+
+def _generate_file(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from jspec.jsonl import RecordWriter, read_prompts
+
+    prompts = read_prompts(args.prompts)
+    writer = RecordWriter(args.output, resume=args.resume)
+    if writer.complete:
+        print(f"{args.output} is already complete; nothing to do (run without --resume to redo it)",
+              file=sys.stderr)
+        return 0
+    todo = [p for p in prompts if p["id"] not in writer.done_ids]
+    if writer.done_ids:
+        print(f"resuming: {len(prompts) - len(todo)} of {len(prompts)} prompts already in {writer.partial}",
+              file=sys.stderr)
+    try:
+        tokens = seconds = 0.0
+        if todo:
+            model = load_model(args)
+            requests = model.requests(todo, chat=not args.no_chat)
+            records = model.stream(requests, args.method, **generation_options(args))
+            # delay: a bad prompt found before the first batch (too long, say) fails without a bar.
+            with tqdm(total=len(prompts), initial=len(prompts) - len(todo), unit="prompt", file=sys.stderr,
+                      disable=len(prompts) <= 1, delay=0.5, dynamic_ncols=True) as bar:
+                batch: list[dict] = []
+                for record in records:
+                    batch.append(record)
+                    if len(batch) == args.batch_size:
+                        writer.write(batch)
+                        bar.update(len(batch))
+                        tokens += sum(r["new_tokens"] for r in batch)
+                        seconds += batch[0]["seconds"]
+                        batch = []
+                if batch:
+                    writer.write(batch)
+                    bar.update(len(batch))
+                    tokens += sum(r["new_tokens"] for r in batch)
+                    seconds += batch[0]["seconds"]
+        path = writer.finish()
+    except BaseException as e:
+        writer.close()
+        if writer.count:
+            e.jspec_hint = f"{writer.count} records kept in {writer.partial}; rerun with --resume to continue"
+        raise
+    rate = f", {tokens / seconds:.1f} tokens/s" if seconds > 0 else ""
+    print(f"[{len(prompts)} records in {path}; this run: {len(todo)} prompts, {int(tokens)} tokens, "
+          f"{seconds:.2f} s{rate}]", file=sys.stderr)
+    return 0
+
+
+# -- convert -------------------------------------------------------------------------------------
+
+def _add_convert(sub) -> None:
+    p = sub.add_parser(
+        "convert", help="convert a GGUF file or Hugging Face model into a fast-loading jspec folder",
+        description="Convert SRC (a GGUF file, a Hugging Face folder, or a hub id in the local HF cache) into "
+                    "the jspec checkpoint folder OUT, then time loading it.")
+    p.add_argument("src", metavar="SRC", help="GGUF file, Hugging Face folder, or cached hub id")
+    p.add_argument("out", metavar="OUT", help="the folder to write (must not exist, or be empty)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="stored parameter dtype (default: %(default)s)")
+    p.set_defaults(func=cmd_convert)
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from jspec.convert import store
+
+    t0 = time.perf_counter()
+    out = store.convert(args.src, args.out, args.dtype)
+    convert_s = time.perf_counter() - t0
+    print(f"converted {args.src} -> {out} ({args.dtype}) in {convert_s:.2f} s")
+    t0 = time.perf_counter()
+    cfg, params, tokenizer = store.load(out)
+    import jax
+
+    jax.block_until_ready(params)
+    load_s = time.perf_counter() - t0
+    tok = "with tokenizer" if tokenizer is not None else "no tokenizer: token ids only"
+    print(f"loaded {out} in {load_s:.2f} s ({store.param_count(params) / 1e6:.1f}M parameters, "
+          f"{cfg.arch}, {tok})")
+    return 0
+
+
+# -- bench (jspec/bench.py: add_arguments(parser), main(args) -> int) --------------------------
+
+def _add_bench(sub, wanted: bool) -> None:
+    p = sub.add_parser("bench", help="benchmark decoding methods", add_help=wanted)
+    if not wanted:  # import jspec.bench only when the command is bench
+        return
+    try:
+        bench = importlib.import_module("jspec.bench")
+    except ModuleNotFoundError as e:
+        if e.name != "jspec.bench":
+            raise
+        p.set_defaults(func=lambda args: _fail("jspec bench is not available in this version"))
+        return
+    bench.add_arguments(p)
+    p.set_defaults(func=bench.main)
+
+
+def _fail(message: str) -> int:
+    raise JspecError(message)
+
+
+# -- main ----------------------------------------------------------------------------------------
+
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    from jspec import __version__
+
+    parser = _Parser(prog=PROG, description="Speculative decoding for Llama-family models in JAX.")
+    parser.add_argument("--version", action="version", version=f"jspec {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_generate(sub)
+    _add_convert(sub)
+    _add_bench(sub, wanted=bool(argv) and argv[0] == "bench")
+    return parser
+
+
+def _with_hint(text: str, e: BaseException) -> str:
+    hint = getattr(e, "jspec_hint", None)
+    return f"{text} ({hint})" if hint else text
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
+    return _with_hint(text, e)
+
+
+def _os_message(e: OSError) -> str:
+    if e.filename is not None and e.strerror:
+        return _with_hint(f"{e.strerror}: {e.filename}", e)
+    return _one_line(e)
+
+
+class _OneLineHandler(logging.Handler):
+    """jspec's warnings as `jspec: warning: ...` lines on the current stderr (which tests may swap)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = " ".join(line.strip() for line in record.getMessage().splitlines() if line.strip())
+        print(f"{PROG}: {record.levelname.lower()}: {text}", file=sys.stderr)
+
+
+def _error(message: str, code: int) -> int:
+    try:
+        sys.stdout.flush()
+    except OSError:
+        pass
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (the `jspec` script exits with it)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = bool(os.environ.get("JSPEC_DEBUG"))
+    handler = _OneLineHandler(logging.WARNING)
+    logging.getLogger("jspec").addHandler(handler)
+    try:
+        return _main(argv, debug)
+    finally:
+        logging.getLogger("jspec").removeHandler(handler)
+
+
+def _main(argv: list[str], debug: bool) -> int:
+    try:
+        parser = build_parser(argv)
+        args = parser.parse_args(argv)
+        return int(args.func(args) or 0)
+    except SystemExit as e:  # --help, --version
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_USAGE)
+    except _UsageError as e:
+        return _error(str(e), EXIT_USAGE)
+    except KeyboardInterrupt as e:
+        return _error(_with_hint("interrupted", e), EXIT_INTERRUPTED)
+    except JspecError as e:
+        if debug:
+            raise
+        return _error(_one_line(e), EXIT_USAGE)
+    except BrokenPipeError:  # `jspec generate ... | head`: the reader left, which is not an error to report
+        try:  # and keep Python's exit-time flush of stdout from raising again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return EXIT_IO
+    except OSError as e:
+        if debug:
+            raise
+        user_path = isinstance(e, (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError))
+        return _error(_os_message(e), EXIT_USAGE if user_path else EXIT_IO)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

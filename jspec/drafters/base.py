@@ -1,0 +1,96 @@
+"""What every drafter provides, and the token-by-token drafting loop most of them share.
+
+A drafter is a static, hashable config (`max_draft` = K and its own options); its weights, if
+any, travel separately as `dparams`. It implements
+
+    prefill(params, dparams, cfg, tokens, prompt_lens, cache) -> (h_last [B, D], cache, dstate)
+    draft(params, dparams, cfg, state: LoopState, controller, sampling, key) -> Draft
+    verify(params, dparams, cfg, tokens [B, K+1], positions [B, K+1], cache, dstate) -> (h, cache)
+
+`verify` returns the target's final hidden states for the fed tokens; the default runs the whole
+target, and self-speculative drafters override it to reuse work done while drafting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jspec import model
+from jspec.sampling import Sampling, probabilities, sample
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Draft:
+    tokens: jax.Array  # [B, K]
+    probs: jax.Array | None  # [B, K, V] draft distributions (sampling), None if deterministic
+    n: jax.Array  # [B] how many of tokens are proposed
+    cache: model.KVCache
+    dstate: object
+    cstate: object
+
+
+def target_prefill(params, cfg, tokens, prompt_lens, cache, layers=None):
+    """Run the prompt through the target; hidden state at each row's last prompt token [B, D]."""
+    b, p = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    h, cache = model.run_layers(params, cfg, model.embed(params, tokens), positions, cache, layers)
+    return last_prompt_state(h, prompt_lens), cache
+
+
+def last_prompt_state(h, prompt_lens):
+    return jnp.take_along_axis(h, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
+
+
+class Drafter:
+    max_draft: int = 0
+
+    def prefill(self, params, dparams, cfg, tokens, prompt_lens, cache):
+        h, cache = target_prefill(params, cfg, tokens, prompt_lens, cache)
+        return h, cache, ()
+
+    def verify(self, params, dparams, cfg, tokens, positions, cache, dstate):
+        return model.forward(params, cfg, tokens, positions, cache)
+
+
+def draft_loop(step, carry, s, controller, sampling: Sampling, key, max_draft: int):
+    """Draft up to max_draft tokens one at a time, while any live row's controller says go on.
+
+    step(carry, j, x [B], positions [B, 1]) -> (logits [B, V], carry) runs the drafter on token
+    x at draft slot j. Rows whose controller stopped keep computing (their extra tokens are
+    ignored), so the loop ends when every row has stopped or K tokens exist.
+    Returns (tokens [B, K], probs [B, K, V] or None, n [B], carry, controller state).
+    """
+    b = s.last.shape[0]
+    tokens = jnp.zeros((b, max_draft), jnp.int32)
+    probs = None
+
+    def body(st):
+        j, x, active, n, tokens, probs, carry, cstate, key = st
+        logits, carry = step(carry, j, x, (s.length + j)[:, None])
+        key, k_pick, k_keep = jax.random.split(key, 3)
+        if sampling.greedy:
+            tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            confidence = jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1)
+        else:
+            q = probabilities(logits, sampling)
+            tok = sample(q, k_pick)
+            confidence = jnp.max(q, axis=-1)
+            probs = probs.at[:, j].set(q)
+        keep, cstate = controller.keep(cstate, j, confidence, k_keep)
+        return j + 1, tok, active & keep, n + active, tokens.at[:, j].set(tok), probs, carry, cstate, key
+
+    if not sampling.greedy:
+        probs = jnp.zeros((b, max_draft, _vocab(step, carry, s)), jnp.float32)
+    start = (0, s.last, ~s.done, jnp.zeros((b,), jnp.int32), tokens, probs, carry, s.cstate, key)
+    _, _, _, n, tokens, probs, carry, cstate, _ = jax.lax.while_loop(
+        lambda st: (st[0] < max_draft) & jnp.any(st[2]), body, start)
+    return tokens, probs, n, carry, cstate
+
+
+def _vocab(step, carry, s):
+    shape = jax.eval_shape(lambda: step(carry, 0, s.last, s.length[:, None])[0])
+    return shape.shape[-1]

@@ -1,0 +1,76 @@
+"""Early exit (EESD, Kangaroo): the target's first N layers, then a head, draft.
+
+The shallow layers write the target's own cache while drafting, and the layer-N hidden state of
+every fed token is kept, so verification runs only layers N..L-1 (Kangaroo's "double early
+exit" reuse). The last drafted token gets one more shallow pass after the loop, because the
+verifier needs its layer-N state too.
+
+`head` turns a layer-N hidden state into draft logits. None means the target's own final norm
+and LM head (untrained early exit); trained heads (jspec.heads) plug in here with their
+weights in `dparams`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from jspec import model
+from jspec.drafters.base import Draft, Drafter, draft_loop, last_prompt_state
+
+
+@dataclasses.dataclass(frozen=True)
+class EarlyExit(Drafter):
+    max_draft: int = 8
+    exit_layer: int = 8
+    head: object = None
+
+    def _shallow(self, cfg):
+        return range(self.exit_layer)
+
+    def _deep(self, cfg):
+        return range(self.exit_layer, cfg.num_layers)
+
+    def prefill(self, params, dparams, cfg, tokens, prompt_lens, cache):
+        b, p = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+        h, cache = model.run_layers(params, cfg, model.embed(params, tokens), positions, cache, self._shallow(cfg))
+        dstate = {"hidden": jnp.zeros((b, self.max_draft + 1, cfg.hidden_size), h.dtype)}
+        if self.head is not None:
+            dstate["head"] = self.head.prefill(dparams, cfg, h, positions, cache.length)
+        h, cache = model.run_layers(params, cfg, h, positions, cache, self._deep(cfg))
+        return last_prompt_state(h, prompt_lens), cache, dstate
+
+    def _draft_logits(self, params, dparams, cfg, h, positions, dstate):
+        if self.head is None:
+            return model.logits(params, cfg, h[:, 0]), dstate
+        logits, head_state = self.head.logits(params, dparams, cfg, h, positions, dstate["head"])
+        return logits[:, 0], {**dstate, "head": head_state}
+
+    def draft(self, params, dparams, cfg, s, controller, sampling, key):
+        def shallow(cache, x, positions):
+            return model.run_layers(params, cfg, model.embed(params, x[:, None]), positions, cache, self._shallow(cfg))
+
+        def step(carry, j, x, positions):
+            cache, dstate = carry
+            h, cache = shallow(cache, x, positions)
+            dstate = {**dstate, "hidden": dstate["hidden"].at[:, j].set(h[:, 0])}
+            logits, dstate = self._draft_logits(params, dparams, cfg, h, positions, dstate)
+            return logits, (cache, dstate)
+
+        tokens, probs, n, (cache, dstate), cstate = draft_loop(
+            step, (s.cache, s.dstate), s, controller, sampling, key, self.max_draft)
+        # The last proposed token of each row, at slot n, still needs its layer-N state.
+        rows = jnp.arange(tokens.shape[0])
+        final = tokens[rows, jnp.maximum(n - 1, 0)]
+        positions = (s.length + n)[:, None]
+        h, cache = shallow(cache, final, positions)
+        hidden = dstate["hidden"].at[rows, n].set(h[:, 0])
+        dstate = {**dstate, "hidden": hidden}
+        if self.head is not None:
+            dstate = {**dstate, "head": self.head.advance(dparams, cfg, h, positions, dstate["head"])}
+        return Draft(tokens, probs, n, cache, dstate, cstate)
+
+    def verify(self, params, dparams, cfg, tokens, positions, cache, dstate):
+        return model.run_layers(params, cfg, dstate["hidden"], positions, cache, self._deep(cfg))

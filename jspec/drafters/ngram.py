@@ -1,0 +1,43 @@
+"""Prompt lookup (n-gram) drafting: no model. Find the most recent earlier occurrence of the
+last n tokens (n = max_ngram down to 1) in the prompt and the text so far, and propose the
+tokens that followed it. The proposal is deterministic, so sampled acceptance treats q as
+one-hot on the proposed token."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jspec.drafters.base import Draft, Drafter
+
+
+@dataclasses.dataclass(frozen=True)
+class NGram(Drafter):
+    max_draft: int = 8
+    max_ngram: int = 3
+
+    def draft(self, params, dparams, cfg, s, controller, sampling, key):
+        b, length = s.seq.shape
+        end = s.length  # position of the newest token, `last`
+        pos = jnp.arange(length)[None, :]
+        best = jnp.full((b,), -1, jnp.int32)
+        for n in range(1, self.max_ngram + 1):  # longer n-grams override shorter ones
+            match = (pos >= n - 1) & (pos < end[:, None])
+            for t in range(n):
+                earlier = jnp.take_along_axis(s.seq, jnp.maximum(pos - t, 0), axis=1)
+                match &= earlier == jnp.take_along_axis(s.seq, (end - t)[:, None], axis=1)
+            found = jnp.max(jnp.where(match, pos, -1), axis=1)
+            best = jnp.where(found >= 0, found, best)
+        slots = jnp.arange(self.max_draft)[None, :]
+        tokens = jnp.take_along_axis(s.seq, jnp.minimum(best[:, None] + 1 + slots, length - 1), axis=1)
+        n_found = jnp.where(best >= 0, jnp.minimum(end - best, self.max_draft), 0)
+        cap = jnp.full((b,), self.max_draft, jnp.int32)
+        cstate = s.cstate
+        ones = jnp.ones((b,), jnp.float32)
+        for j in range(self.max_draft - 1):
+            keep, cstate = controller.keep(cstate, j, ones, jax.random.fold_in(key, j))
+            cap = jnp.where(~keep & (cap > j + 1), j + 1, cap)
+        n = jnp.where(s.done, 0, jnp.minimum(n_found, cap))
+        return Draft(tokens, None, n, s.cache, s.dstate, cstate)

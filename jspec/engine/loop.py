@@ -1,0 +1,108 @@
+"""The decoding loop: prefill, then draft / verify / accept rounds, all in one jitted while loop.
+
+Every method is this loop with a different drafter: autoregressive decoding is the drafter that
+proposes nothing (K = 0), so each round verifies one position and emits the target's token.
+
+Per row b the loop keeps `length[b]`, the number of committed positions in the cache, and
+`last[b]`, the newest committed token, which sits at position length[b] but is not yet in the
+cache. A round feeds [last, draft_1 .. draft_K] at positions length .. length+K, accepts
+n_accepted[b] drafts plus one target token, and advances length by n_accepted + 1. Entries
+past a row's length are stale and never attended to, so rejected drafts need no rollback.
+Rows advance independently; rows that are done keep computing (shapes are static) but their
+results are masked out. `seq[b, p]` is the token at position p (prompt, then generated).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jspec import acceptance, model
+from jspec.config import ModelConfig
+from jspec.sampling import Sampling, next_token
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LoopState:
+    cache: model.KVCache
+    seq: jax.Array  # [B, S] int32, every committed token by position
+    last: jax.Array  # [B] newest committed token (at position `length`, not yet in the cache)
+    length: jax.Array  # [B]
+    n: jax.Array  # [B] tokens generated so far
+    done: jax.Array  # [B]
+    key: jax.Array
+    rounds: jax.Array  # [B] target forwards that produced tokens (prefill counts as one)
+    drafted: jax.Array  # [B]
+    accepted: jax.Array  # [B]
+    dstate: object  # the drafter's own state
+    cstate: object  # the controller's state
+
+
+def _emit(s: LoopState, tokens: jax.Array, count: jax.Array, eos_ids, max_new_tokens: int) -> LoopState:
+    """Append tokens[b, :count[b]] to each live row, stopping at EOS and at max_new_tokens."""
+    k1 = tokens.shape[1]
+    slot = jnp.arange(k1)[None, :]
+    is_eos = jnp.isin(tokens, eos_ids) & (slot < count[:, None])
+    first_eos = jnp.min(jnp.where(is_eos, slot, k1), axis=1)
+    count = jnp.minimum(jnp.minimum(count, first_eos + 1), max_new_tokens - s.n)
+    count = jnp.where(s.done, 0, count)
+    pos = s.length[:, None] + 1 + slot
+    rows = jnp.arange(tokens.shape[0])[:, None]
+    seq = s.seq.at[rows, jnp.where(slot < count[:, None], pos, s.seq.shape[1])].set(tokens, mode="drop")
+    last = jnp.where(count > 0, jnp.take_along_axis(tokens, jnp.maximum(count - 1, 0)[:, None], 1)[:, 0], s.last)
+    n = s.n + count
+    done = s.done | (first_eos < count) | (n >= max_new_tokens)
+    return dataclasses.replace(s, seq=seq, last=last, length=s.length + count, n=n, done=done)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "max_new_tokens", "drafter", "controller"),
+                   donate_argnames=("cache",))
+def generate(params, dparams, cache: model.KVCache, tokens, prompt_lens, eos_ids, key, *, cfg: ModelConfig,
+             sampling: Sampling, max_new_tokens: int, drafter, controller):
+    """tokens [B, P] right-padded prompts of lengths prompt_lens [B]; eos_ids [E].
+
+    Returns (out [B, max_new_tokens] with -1 past each row's end, stats dict of [B] arrays, cache).
+    The cache needs P + max_new_tokens + K + 1 positions.
+    """
+    b, p = tokens.shape
+    k = drafter.max_draft
+    seq = jnp.zeros((b, cache.length), jnp.int32).at[:, :p].set(tokens)
+    h, cache, dstate = drafter.prefill(params, dparams, cfg, tokens, prompt_lens, cache)
+    key, sub = jax.random.split(key)
+    first = next_token(model.logits(params, cfg, h), sampling, sub)
+    zeros = jnp.zeros((b,), jnp.int32)
+    s = LoopState(cache=cache, seq=seq.at[jnp.arange(b), prompt_lens].set(first), last=first,
+                  length=prompt_lens, n=jnp.ones((b,), jnp.int32),
+                  done=jnp.isin(first, eos_ids) | (max_new_tokens == 1), key=key, rounds=jnp.ones((b,), jnp.int32),
+                  drafted=zeros, accepted=zeros, dstate=dstate, cstate=controller.init(b, k))
+
+    def round_(s: LoopState) -> LoopState:
+        key, k_draft, k_accept = jax.random.split(s.key, 3)
+        live = ~s.done
+        d = drafter.draft(params, dparams, cfg, s, controller, sampling, k_draft)
+        positions = s.length[:, None] + jnp.arange(k + 1)[None, :]
+        fed = jnp.concatenate([s.last[:, None], d.tokens], axis=1)
+        h, cache = drafter.verify(params, dparams, cfg, fed, positions, d.cache, d.dstate)
+        target_logits = model.logits(params, cfg, h)
+        if sampling.greedy:
+            n_acc, nxt = acceptance.greedy(d.tokens, d.n, target_logits)
+        else:
+            n_acc, nxt = acceptance.rejection(d.tokens, d.probs, d.n, target_logits, sampling, k_accept)
+        emitted = jnp.concatenate([d.tokens, jnp.zeros((b, 1), jnp.int32)], axis=1)
+        emitted = emitted.at[jnp.arange(b), n_acc].set(nxt)
+        cstate = controller.update(d.cstate, d.n, n_acc, live)
+        s = dataclasses.replace(s, cache=cache, key=key, dstate=d.dstate, cstate=cstate,
+                                rounds=s.rounds + live, drafted=s.drafted + live * d.n,
+                                accepted=s.accepted + live * n_acc)
+        return _emit(s, emitted, n_acc + 1, eos_ids, max_new_tokens)
+
+    s = jax.lax.while_loop(lambda s: ~jnp.all(s.done), round_, s)
+    idx = prompt_lens[:, None] + jnp.arange(max_new_tokens)[None, :]
+    out = jnp.take_along_axis(s.seq, jnp.minimum(idx, cache.length - 1), axis=1)
+    out = jnp.where(jnp.arange(max_new_tokens)[None, :] < s.n[:, None], out, -1)
+    stats = {"new_tokens": s.n, "rounds": s.rounds, "drafted": s.drafted, "accepted": s.accepted}
+    return out, stats, s.cache

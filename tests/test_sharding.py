@@ -72,7 +72,7 @@ def test_sharded_generation_equals_unsharded(converted, prompts, reference, mesh
         assert spec(layer["w_down"]) == ("model", None)
         assert spec(m.params["embed"]) == ("model", None)
         assert spec(m.params["lm_head"]) == (None, "model")
-        assert layer["wqkv"].addressable_shards[0].data.shape == (128, 512 // sizes["model"])
+        assert layer["wqkv"].addressable_shards[0].data.shape == (128, 256 // sizes["model"])
         assert layer["w_down"].addressable_shards[0].data.shape == (256 // sizes["model"], 128)
     else:
         assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(m.params))

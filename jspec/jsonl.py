@@ -35,7 +35,7 @@ def read_prompts(path: str | os.PathLike) -> list[dict]:
         raise JspecError(f"prompts file {path} is not UTF-8 text ({_short(e)})") from None
     prompts: list[dict] = []
     seen: dict[Any, int] = {}
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    for lineno, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         where = f"{path} line {lineno}"

@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import shutil
 from pathlib import Path
 
 from jspec.convert import store
@@ -51,6 +52,8 @@ def resolve(model: str | None, dtype: str = "float32") -> Path:
             key = model  # a hub id: the HF cache decides what it points to
         name = f"{local.name or 'model'}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
     out = cache_dir() / f"{name}-{dtype}"
+    if store.is_converted(out) and not store.is_current(out):
+        shutil.rmtree(out)  # converted by an older jspec: the cache may simply be redone
     if not store.is_converted(out):
         logging.getLogger("jspec").warning("converting %s into %s (once)", src, out)
         store.convert(src, out, dtype)

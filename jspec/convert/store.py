@@ -24,12 +24,16 @@ from jspec import model
 from jspec.config import ModelConfig
 from jspec.errors import JspecError
 
-FORMAT = 1
+FORMAT = 2
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def is_converted(path: str | os.PathLike) -> bool:
     return (Path(path) / "jspec.json").is_file()
+
+
+def is_current(path: str | os.PathLike) -> bool:
+    return json.loads((Path(path) / "jspec.json").read_text()).get("format") == FORMAT
 
 
 def _read_source(src: str):

@@ -97,6 +97,14 @@ def hf_tensors(model) -> dict[str, np.ndarray]:
     return tensors
 
 
+def hf_logits(hf, ids: np.ndarray) -> np.ndarray:
+    """HF's float32 logits [B, T, V] for token ids [B, T] (no padding)."""
+    import torch
+
+    with torch.no_grad():
+        return hf(torch.from_numpy(np.asarray(ids)).long(), use_cache=False).logits.float().numpy()
+
+
 def save_source(model, folder: Path, fmt: str) -> str:
     """Write `model` as a checkpoint of format `fmt` under `folder`; return what to convert."""
     import torch

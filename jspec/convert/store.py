@@ -25,6 +25,7 @@ from jspec.config import ModelConfig
 from jspec.errors import JspecError
 
 FORMAT = 2
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -50,7 +51,9 @@ def _read_source(src: str):
         folder = resolve_hf_dir(src)
         ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))  # refuse early, before the weights
         hf_config, tensors = read_hf(str(folder))
-        tokenizer = _tokenizer_or_none(str(folder))
+        # transformers builds an empty tokenizer for a folder without one; only load real ones.
+        has_tokenizer = any((folder / f).exists() for f in TOKENIZER_FILES)
+        tokenizer = _tokenizer_or_none(str(folder)) if has_tokenizer else None
     return hf_config, tensors, tokenizer
 
 

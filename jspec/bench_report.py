@@ -1,0 +1,254 @@
+"""The tables, Markdown report and plots of `jspec bench`, computed from its result rows.
+
+Spec-Bench aggregation: tokens/s is the mean over questions of new_tokens / seconds; speedup is a
+method's mean tokens/s over jspec `ar`'s on the same questions; mean accepted tokens (bonus token
+included) is averaged over questions. Batch throughput is total new tokens over total batch time,
+each batch counted once (a row carries its batch's seconds and how many prompts shared it).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+from pathlib import Path
+
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+INTRO = ("# Benchmarks\n\nMeasured with `jspec bench` (see `benchmarks/README.md`; `benchmarks/run_all.sh` "
+         "regenerates this page). The section between the bench markers is rewritten on each run; "
+         "text outside it is kept.\n\n")
+SPEEDUP_PNG, THROUGHPUT_PNG = "bench_speedup_by_category.png", "bench_throughput.png"
+
+
+def machine_info() -> dict:
+    import jax
+    import torch
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": cpu, "cpus": os.cpu_count(), "usable_cpus": usable, "os": platform.platform(terse=True),
+            "python": platform.python_version(), "jax": jax.__version__,
+            "jax_device": f"{jax.default_backend()} ({jax.devices()[0].device_kind}) x{jax.device_count()}",
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "transformers": transformers.__version__,
+            "load_average": " ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?",
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.fmean(xs) if xs else None
+
+
+def _fmt(x, spec: str, suffix: str = "") -> str:
+    return "-" if x is None else f"{x:{spec}}{suffix}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    align = ["---"] + ["---:"] * (len(header) - 1)
+    return "\n".join("| " + " | ".join(r) + " |" for r in [header, align, *rows])
+
+
+class Report:
+    def __init__(self, rows, prompts, labels, hf_methods, sizes, command, machine, model_name, args):
+        self.prompts, self.labels, self.hf = prompts, list(labels), list(hf_methods)
+        self.sizes, self.main = list(sizes), sizes[0]
+        self.command, self.machine, self.model_name, self.args = command, machine, model_name, args
+        self.categories = list(dict.fromkeys(p["category"] for p in prompts))
+        wanted = {json.dumps(p["id"]) for p in prompts}
+        self.rows: dict[tuple, dict[str, dict]] = {}
+        for r in rows:
+            if json.dumps(r["id"]) in wanted and r["method"] in self.labels + self.hf and r["batch_size"] in sizes:
+                self.rows.setdefault((r["method"], r["batch_size"]), {})[json.dumps(r["id"])] = r
+
+    # -- numbers ---------------------------------------------------------------------------------
+    def _ids(self, category=None) -> list[str]:
+        return [json.dumps(p["id"]) for p in self.prompts if category in (None, p["category"])]
+
+    def tps(self, method, b, ids):
+        got = self.rows.get((method, b), {})
+        return _mean(got[i]["tokens_per_second"] for i in ids if i in got)
+
+    def speedup(self, method, b, ids, base=("ar", None)):
+        """Mean tokens/s of `method` over that of `base` on the questions both have."""
+        name, bb = base
+        mine, theirs = self.rows.get((method, b), {}), self.rows.get((name, bb or b), {})
+        common = [i for i in ids if i in mine and i in theirs]
+        a, c = self.tps(method, b, common), self.tps(name, bb or b, common)
+        return a / c if a and c else None
+
+    def accepted(self, method, b, ids):
+        got = self.rows.get((method, b), {})
+        return _mean(got[i]["mean_accepted_tokens"] for i in ids if i in got)
+
+    def throughput(self, method, b):
+        got = self.rows.get((method, b), {}).values()
+        seconds = sum(r["seconds"] / r["batch_rows"] for r in got)
+        return sum(r["new_tokens"] for r in got) / seconds if seconds else None
+
+    def mismatches(self) -> dict[str, list]:
+        """Lossless jspec methods whose tokens differ from ar's: {label (b=B when not main): [ids]}."""
+        out = {}
+        for (method, b), got in self.rows.items():
+            bad = [r["id"] for r in got.values() if r.get("mismatch")]
+            if bad:
+                out[method if b == self.main else f"{method} (b={b})"] = bad
+        return out
+
+    # -- tables ----------------------------------------------------------------------------------
+    def overall_table(self) -> str:
+        ids, b = self._ids(), self.main
+        hf_base = ("hf", 1) if "hf" in self.hf else None
+        rows = []
+        for m in self.labels + self.hf:
+            got = self.rows.get((m, b if m in self.labels else 1), {})
+            if not got:
+                continue
+            bm = b if m in self.labels else 1
+            if m in self.labels:
+                miss = str(sum(bool(r.get("mismatch")) for r in got.values()))
+            else:  # HF: informational (other kernels, other rounding)
+                miss = f"({sum(r.get('same_as_ar') is False for r in got.values())})"
+            rows.append([f"`{m}`", str(len(got)), _fmt(self.tps(m, bm, ids), ".1f"),
+                         _fmt(self.speedup(m, bm, ids, ("ar", b)), ".2f", "x"),
+                         _fmt(self.speedup(m, bm, ids, hf_base), ".2f", "x") if hf_base else "-",
+                         _fmt(self.accepted(m, bm, ids), ".2f"), miss])
+        return _table(["method", "prompts", "tokens/s", "speedup vs jspec ar", "speedup vs HF generate",
+                       "mean accepted tokens", "mismatches vs ar"], rows)
+
+    def category_table(self, what: str) -> str:
+        methods = [m for m in self.labels + self.hf if m != "ar"] if what == "speedup" else self.labels
+        methods = [m for m in methods if (m, self.main if m in self.labels else 1) in self.rows]
+        rows = []
+        for cat in self.categories + [None]:
+            ids = self._ids(cat)
+            cells = []
+            for m in methods:
+                bm = self.main if m in self.labels else 1
+                cells.append(_fmt(self.speedup(m, bm, ids, ("ar", self.main)), ".2f", "x") if what == "speedup"
+                             else _fmt(self.accepted(m, bm, ids), ".2f"))
+            rows.append([cat or "**overall**", str(len(ids))] + cells)
+        return _table(["category", "questions"] + [f"`{m}`" for m in methods], rows)
+
+    def batch_table(self) -> str:
+        rows = []
+        for m in self.labels:
+            if not any((m, b) in self.rows for b in self.sizes):
+                continue
+            cells = []
+            for b in self.sizes:
+                t, base = self.throughput(m, b), self.throughput("ar", b)
+                cells.append("-" if t is None else f"{t:.1f} ({t / base:.2f}x)" if base else f"{t:.1f}")
+            miss = sum(bool(r.get("mismatch")) for b in self.sizes for r in self.rows.get((m, b), {}).values())
+            rows.append([f"`{m}`"] + cells + [str(miss)])
+        return _table(["method"] + [f"batch {b}" for b in self.sizes] + ["mismatches"], rows)
+
+    # -- output ----------------------------------------------------------------------------------
+    def setup(self) -> str:
+        a, m = self.args, self.machine
+        n, cats = len(self.prompts), len(self.categories)
+        per = f"the first {a.limit} of each of {cats} categories" if a.limit else f"{cats} categories"
+        prompts = Path(a.prompts).name if a.prompts else "spec_bench.jsonl"
+        return "\n".join([
+            f"- Command: `{self.command}`",
+            f"- Model: {self.model_name} ({a.dtype}); prompts: `{prompts}`, {n} questions ({per}), first turn, "
+            f"{'no chat template' if a.no_chat else 'chat template'}; greedy, at most {a.max_new_tokens} new "
+            f"tokens; batch {self.main}; median of {a.repeats} timed run(s) after an untimed warm-up of each "
+            "compiled shape.",
+            f"- Machine: {m['cpu']}, {m['cpus']} CPUs ({m['usable_cpus']} usable), {m['os']}; Python {m['python']}, "
+            f"jax {m['jax']} on {m['jax_device']}, torch {m['torch']} ({m['torch_threads']} threads), "
+            f"transformers {m['transformers']}; load average at the end {m['load_average']}; {m['date']}.",
+        ])
+
+    def console(self) -> str:
+        parts = [self.overall_table()]
+        if len(self.sizes) > 1:
+            parts.append(self.batch_table())
+        return "\n\n".join(parts)
+
+    def markdown(self, image_dir: str | None) -> str:
+        b = self.main
+        out = [BEGIN, "", "## Results", "", self.setup(), "", f"### Overall (batch {b})", "", self.overall_table(), "",
+               "tokens/s: mean over questions of new tokens / seconds (prefill included, compilation excluded). "
+               "Speedups: ratio of mean tokens/s on the same questions, same run. Mean accepted tokens per "
+               "target forward counts the bonus token (ar = 1.00). Mismatches: prompts whose tokens differ "
+               "from jspec `ar`; 0 for every lossless jspec method, and in parentheses for Hugging Face "
+               "(torch kernels round differently, so near-ties may flip).", "",
+               f"### Speedup vs jspec ar by category (batch {b})", "", self.category_table("speedup"), "",
+               f"### Mean accepted tokens by category (batch {b})", "", self.category_table("accepted"), ""]
+        if len(self.sizes) > 1:
+            out += ["### Batch throughput", "", self.batch_table(), "",
+                    "Total new tokens / total wall time of the batches (tokens/s), and in parentheses the ratio "
+                    "to jspec `ar` at the same batch size.", ""]
+        if image_dir is not None:
+            out += [f"![speedup by category]({image_dir}/{SPEEDUP_PNG})", ""]
+            if len(self.sizes) > 1:
+                out += [f"![throughput vs batch size]({image_dir}/{THROUGHPUT_PNG})", ""]
+        return "\n".join(out + [END])
+
+    def write_markdown(self, path, plots: Path) -> None:
+        path = Path(path)
+        self.plot(plots)
+        rel = os.path.relpath(plots.resolve(), path.resolve().parent).replace(os.sep, "/")
+        block = self.markdown(rel)
+        text = path.read_text(encoding="utf-8") if path.exists() else INTRO
+        i, j = text.find(BEGIN), text.find(END)
+        if 0 <= i < j:
+            text = text[:i] + block + text[j + len(END):]
+        else:
+            text = text.rstrip("\n") + "\n\n" + block + "\n"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+
+    def plot(self, folder: Path) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        folder.mkdir(parents=True, exist_ok=True)
+        methods = [m for m in self.labels + self.hf if m != "ar"
+                   and (m, self.main if m in self.labels else 1) in self.rows]
+        groups = self.categories + ["overall"]
+        fig, ax = plt.subplots(figsize=(max(8.0, 0.55 * len(groups) * max(1, len(methods)) ** 0.5 + 3), 4.5))
+        width = 0.8 / max(1, len(methods))
+        for k, m in enumerate(methods):
+            bm = self.main if m in self.labels else 1
+            ys = [self.speedup(m, bm, self._ids(None if g == "overall" else g), ("ar", self.main)) or 0.0
+                  for g in groups]
+            ax.bar([x + (k - (len(methods) - 1) / 2) * width for x in range(len(groups))], ys, width, label=m)
+        ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+        ax.set_xticks(range(len(groups)), groups, rotation=35, ha="right")
+        ax.set_ylabel("speedup vs jspec ar")
+        ax.set_title(f"{self.model_name}: speedup by category (batch {self.main})")
+        if methods:
+            ax.legend(fontsize="small")
+        fig.tight_layout()
+        fig.savefig(folder / SPEEDUP_PNG, dpi=120)
+        plt.close(fig)
+        if len(self.sizes) < 2:
+            return
+        fig, ax = plt.subplots(figsize=(6.5, 4.5))
+        sizes = sorted(self.sizes)
+        for m in self.labels:
+            pts = [(b, self.throughput(m, b)) for b in sizes if (m, b) in self.rows]
+            if pts:
+                ax.plot([b for b, _ in pts], [t for _, t in pts], marker="o", label=m)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(b) for b in sizes])
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("tokens/s (all rows)")
+        ax.set_title(f"{self.model_name}: throughput vs batch size")
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        fig.savefig(folder / THROUGHPUT_PNG, dpi=120)
+        plt.close(fig)

@@ -1,0 +1,186 @@
+"""`jspec bench` on a tiny random Llama (with SmolLM2's tokenizer) and a small Spec-Bench-style file:
+result rows, resume, the Markdown report between its markers, plots, HF peers, one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from conftest import tiny_hf_model
+from jspec import bench
+from jspec.cli import main
+from jspec.convert import cache, store
+from jspec.errors import JspecError
+
+QUESTIONS = [
+    {"question_id": 1, "category": "writing", "turns": ["Write a haiku about rain.", "Now another."]},
+    {"question_id": 2, "category": "writing", "turns": ["Describe a cat."]},
+    {"question_id": 3, "category": "writing", "turns": ["This one is over the limit."]},
+    {"question_id": 4, "category": "qa", "turns": ["What is the capital of France?"]},
+]
+KEPT = [1, 2, 4]  # --limit 2: two questions per category, in file order
+OUTER = ("# Benchmarks\n\nhand-written intro\n\n<!-- bench:begin -->\nold table\n<!-- bench:end -->\n\n"
+         "hand-written outro\n")
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    """A converted 4-layer random Llama with SmolLM2's tokenizer; its HF folder is the --hf source."""
+    gguf = cache.default_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    root = tmp_path_factory.mktemp("bench-tiny")
+    tiny_hf_model("llama", seed=1, vocab_size=len(tokenizer), num_hidden_layers=4).save_pretrained(root / "hf")
+    out = store.convert(str(root / "hf"), root / "jspec")
+    tokenizer.save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture
+def questions(tmp_path) -> Path:
+    path = tmp_path / "questions.jsonl"
+    path.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    return path
+
+
+def run(capsys, *args) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = main(["bench", *map(str, args)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def rows_of(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def by_key(rows):
+    return {(r["method"], r["batch_size"], r["id"]): r for r in rows}
+
+
+def test_bench_end_to_end(capsys, tiny, questions, tmp_path):
+    out, md, img = tmp_path / "res" / "results.jsonl", tmp_path / "docs" / "benchmarks.md", tmp_path / "docs" / "img"
+    md.parent.mkdir()
+    md.write_text(OUTER)
+    common = ["--model", tiny, "--prompts", questions, "--limit", 2, "--max-new-tokens", 6, "--output", out]
+    code, stdout, err = run(capsys, *common, "--methods", "ngram,early-exit:exit_layer=2", "--batch-sizes", "1,2",
+                            "--hf-assisted", "--markdown", md, "--plots", img)
+    assert code == 0, err
+    rows = rows_of(out)
+    keys = by_key(rows)
+    methods = ("ar", "ngram", "early-exit:exit_layer=2")
+    hf = ("hf", "hf-early-exit", "hf-prompt-lookup")
+    expected = {(m, b, i) for m in methods for b in (1, 2) for i in KEPT} | {(m, 1, i) for m in hf for i in KEPT}
+    assert set(keys) == expected and len(rows) == len(expected)
+    for r in rows:
+        assert r["category"] == ("qa" if r["id"] == 4 else "writing")
+        assert 1 <= r["new_tokens"] <= 6 and r["tokens_per_second"] > 0 and r["seconds"] > 0
+        assert r["mismatch"] is False, r  # lossless: the same tokens as ar
+        if r["kind"] == "jspec":
+            assert r["mean_accepted_tokens"] >= 1.0 and r["same_as_ar"] is True
+    assert all(keys[("ar", 1, i)]["mean_accepted_tokens"] == 1.0 for i in KEPT)
+    assert keys[("ar", 2, 1)]["batch_rows"] == 2 and keys[("ar", 2, 4)]["batch_rows"] == 1
+    # HF greedy on the same weights gives the same tokens (clear margins on this random model).
+    assert all(keys[(m, 1, i)]["same_as_ar"] for m in hf for i in KEPT)
+    assert not out.with_name("results.jsonl.partial").exists()
+
+    text = md.read_text()
+    assert text.startswith("# Benchmarks\n\nhand-written intro\n\n<!-- bench:begin -->")
+    assert text.endswith("<!-- bench:end -->\n\nhand-written outro\n") and "old table" not in text
+    block = text[text.index("<!-- bench:begin -->"):]
+    for needle in ("### Overall (batch 1)", "### Speedup vs jspec ar by category", "### Batch throughput",
+                   "| `ngram` | 3 |", "| `early-exit:exit_layer=2` |", "| `hf` | 3 |", "| `hf-prompt-lookup` | 3 |", "| qa | 1 |",
+                   "jspec bench --methods ngram,early-exit:exit_layer=2", "img/bench_speedup_by_category.png",
+                   "img/bench_throughput.png", "speedup vs HF generate"):
+        assert needle in block, needle
+    overall = block.split("### Overall (batch 1)")[1].split("###")[0]
+    assert "| `ar` | 3 |" in overall and overall.count(" | 0 |") == 3  # no mismatches
+    assert (img / "bench_speedup_by_category.png").stat().st_size > 1000
+    assert (img / "bench_throughput.png").stat().st_size > 1000
+    assert "| `ngram` | 3 |" in stdout and "speedup vs jspec ar" in stdout  # the table on stdout too
+
+    # Resume after a finished run, adding a method: only its rows run, the others are kept as they were.
+    code, _, err = run(capsys, *common, "--methods", "ngram,early-exit:exit_layer=2,layer-skip", "--batch-sizes",
+                       "1,2", "--batch-methods", "ar", "--hf", "--resume")
+    assert code == 0, err
+    assert "resuming: 15 of 18 rows" in err
+    again = by_key(rows_of(out))
+    assert set(again) == expected | {("layer-skip", 1, i) for i in KEPT}
+    assert all(again[k] == keys[k] for k in keys)  # untouched, timings included
+
+    # An interrupted run (4 rows, then a torn line) resumes where it stopped.
+    out2 = tmp_path / "res" / "again.jsonl"
+    lines = [line for line in out.read_text().splitlines(keepends=True)
+             if json.loads(line)["method"] in ("ar", "ngram") and json.loads(line)["batch_size"] == 1]
+    out2.with_name("again.jsonl.partial").write_text("".join(lines[:3]) + lines[3][:20])
+    code, _, err = run(capsys, *common[:-1], out2, "--methods", "ngram", "--resume")
+    assert code == 0, err
+    assert "resuming: 3 of 6 rows" in err
+    resumed = by_key(rows_of(out2))
+    assert len(resumed) == 6 and all(resumed[k] == again[k] for k in list(resumed)[:3])
+
+
+def test_resume_refuses_other_settings(capsys, tiny, questions, tmp_path):
+    out = tmp_path / "r.jsonl"
+    out.write_text(json.dumps({"method": "ar", "batch_size": 1, "id": 1, "model": tiny, "dtype": "float32",
+                               "max_new_tokens": 99, "chat": True, "token_ids": [1]}) + "\n")
+    code, _, err = run(capsys, "--model", tiny, "--prompts", questions, "--output", out, "--resume",
+                       "--max-new-tokens", 4)
+    assert code == 2 and "other settings" in err and "max_new_tokens" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--methods", "ar,bogus"], "unknown method 'bogus'"),
+    (["--methods", "early-exit:depth=3"], "unknown option 'depth' for method early-exit"),
+    (["--methods", "early-exit:exit_layer"], "bad option 'exit_layer'"),
+    (["--methods", "ar,,ngram"], "empty entry"),
+    (["--methods", "ngram,ngram"], "names 'ngram' twice"),
+    (["--batch-sizes", "1,x"], "bad --batch-sizes"),
+    (["--batch-sizes", "0,8"], "bad --batch-sizes"),
+    (["--methods", "ar", "--batch-methods", "ngram"], "--batch-methods names ngram"),
+    (["--hf", "--batch-size", "2"], "--hf compares at batch size 1"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--prompts", "missing.jsonl"], "prompts file missing.jsonl does not exist"),
+    (["--methods", "early-exit:exit_layer=9"], "--exit-layer must be between 1 and 3"),
+])
+def test_bad_input_is_one_line(capsys, tiny, questions, tmp_path, args, message):
+    base = ["--model", tiny, "--output", tmp_path / "o.jsonl"]
+    if "--prompts" not in args:
+        base += ["--prompts", questions]
+    code, out, err = run(capsys, *base, *args)
+    assert code == 2 and out == ""
+    assert err.startswith("jspec: error: ") and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_parse_methods():
+    specs = bench.parse_methods("early-exit:exit_layer=20;max-draft=6,"
+                                "layer-skip:skip_layers=4,6,8;controller=dv,ngram")
+    assert [s.label for s in specs] == ["ar", "early-exit:exit_layer=20;max_draft=6",
+                                        "layer-skip:skip_layers=4,6,8;controller=dv", "ngram"]
+    assert dict(specs[1].options) == {"exit_layer": 20, "max_draft": 6}
+    assert dict(specs[2].options) == {"skip_layers": (4, 6, 8), "controller": "dv"}
+    assert dict(bench.parse_methods("layer-skip:skip_layers=5")[1].options) == {"skip_layers": (5,)}
+    assert bench.parse_batch_sizes("8,1,8") == [1, 8]
+
+
+def test_prompt_files(tmp_path, monkeypatch):
+    jspec_file = tmp_path / "p.jsonl"
+    jspec_file.write_text('{"id": "a", "prompt": "hi", "category": "x"}\n\n{"prompt": "yo"}\n{"prompt": "z"}\n')
+    got = bench.read_bench_prompts(jspec_file, limit=1)
+    assert [(p["id"], p["category"]) for p in got] == [("a", "x"), (1, "all")]
+    spec = tmp_path / "s.jsonl"
+    spec.write_text(json.dumps({"question_id": 7, "category": "qa", "turns": []}) + "\n")
+    with pytest.raises(JspecError, match="turns"):
+        bench.read_bench_prompts(spec)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bench, "SPEC_BENCH", Path("nowhere", "spec_bench.jsonl"))
+    with pytest.raises(JspecError, match="pass --prompts FILE"):
+        bench.default_prompts()

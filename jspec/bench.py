@@ -33,7 +33,6 @@ import shlex
 import shutil
 import statistics
 import sys
-import time
 from pathlib import Path
 
 from jspec import methods

@@ -1,0 +1,425 @@
+"""Speculative decoding is lossless: every drafter under every controller emits exactly the
+tokens plain autoregressive decoding (`ar`) emits when greedy, and samples from exactly the
+target's distribution when sampling.
+
+The models are tiny random Llamas (conftest's `tiny_hf_model`, converted by store.convert), fed
+token ids. So that drafts are accepted often enough to exercise every path (partial accepts,
+full accepts with a bonus token, EOS inside an accepted draft, a draft crossing
+max_new_tokens), the 4-layer target's layers 1..3 are damped: their residual branches are
+scaled down, so its first layers (early exit), its layers without 1 and 2 (layer skipping) and
+its first two layers as a separate model (the draft model) predict it fairly well but not
+perfectly. Repeated motifs in the prompts, and the loops random models fall into, feed n-gram
+lookup.
+
+Each (method, options, controller, batch size, prompt bucket, max_new_tokens) compiles the loop
+once, seconds each on a small CPU, so the tests share one target and one set of prompts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from conftest import save_source, tiny_hf_model
+from jspec import model as jmodel
+from jspec.api import Model
+from jspec.controllers import Fixed
+from jspec.convert import store
+from jspec.drafters.base import Draft, Drafter
+from jspec.sampling import Sampling, probabilities
+
+NEW = 32  # max_new_tokens of the greedy tests
+FREE_NEW = NEW + 8  # the run without EOS goes further: the oracle drafter reads past NEW
+K = 4  # max_draft of the drafter x controller product
+LENGTHS = (3, 30, 12, 21)  # very different, all in the 32-token prompt bucket (one compile per batch size)
+DAMP = 0.3
+
+DRAFTERS = {
+    "draft": dict(method="draft"),  # the target's first two layers as a separate model
+    "early-exit-1": dict(method="early-exit", exit_layer=1),
+    "early-exit-2": dict(method="early-exit", exit_layer=2),
+    "layer-skip": dict(method="layer-skip", skip_layers=(1, 2)),
+    "ngram": dict(method="ngram"),
+}
+CONTROLLERS = {
+    "fixed": dict(controller="fixed"),
+    "confidence": dict(controller="confidence"),
+    "heuristic": dict(controller="heuristic"),
+    "dv": dict(controller="dv"),
+    "thompson-beta": dict(controller="thompson", thompson_variant="beta"),
+    "thompson-calibration": dict(controller="thompson", thompson_variant="calibration"),
+}
+
+
+def ids(records):
+    return [r["token_ids"] for r in records]
+
+
+def convert_tiny(tmp_path_factory, name: str, seed: int, **overrides):
+    """conftest's tiny random HF Llama, saved and converted like a real checkpoint: (hf, cfg, params)."""
+    hf = tiny_hf_model("llama", seed=seed, **overrides)
+    root = tmp_path_factory.mktemp(name)
+    cfg, params, _ = store.load(store.convert(save_source(hf, root / "source", "safetensors"), root / "converted"))
+    return hf, cfg, params
+
+
+def damped(params, layers, factor):
+    """Scale the attention and MLP outputs of `layers`: the residual stream then changes less there."""
+    out = [dict(lp) for lp in params["layers"]]
+    for i in layers:
+        out[i]["wo"] = out[i]["wo"] * factor
+        out[i]["w_down"] = out[i]["w_down"] * factor
+    return {**params, "layers": out}
+
+
+def repetitive_prompts(lengths, vocab, seed):
+    """Prompts made of a short random motif repeated, with a few tokens changed."""
+    rng = np.random.default_rng(seed)
+    prompts = []
+    for n in lengths:
+        motif = rng.integers(0, vocab, rng.integers(3, 7))
+        ids_ = np.resize(motif, n)
+        flip = rng.random(n) < 0.15
+        ids_[flip] = rng.integers(0, vocab, flip.sum())
+        prompts.append({"token_ids": ids_.tolist()})
+    return prompts
+
+
+@dataclasses.dataclass
+class Spec:
+    target: Model  # EOS = `eos`
+    draft: Model  # the target's first two layers
+    free: Model  # the target without EOS ids
+    prompts: list
+    ar: list  # greedy `ar` token ids of `prompts` under `target`
+    free_ar: list  # ... under `free`: always FREE_NEW tokens
+    eos: int
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory) -> Spec:
+    _, cfg, params = convert_tiny(tmp_path_factory, "spec-target", seed=3, num_hidden_layers=4)
+    params = damped(params, range(1, 4), DAMP)
+    free = Model(dataclasses.replace(cfg, eos_token_ids=()), params, name="free")
+    prompts = repetitive_prompts(LENGTHS, cfg.vocab_size, seed=0)
+    free_ar = ids(free.generate(prompts, max_new_tokens=FREE_NEW, batch_size=4))
+    assert all(len(t) == FREE_NEW for t in free_ar)
+    # An EOS id the model produces mid-generation (first at index >= 5) in some rows but not all,
+    # preferring one that appears in more rows.
+    first_at = [{t: row.index(t) for t in set(row[:NEW])} for row in free_ar]
+    candidates = [t for t in set().union(*first_at)
+                  if all(f.get(t, NEW) >= 5 for f in first_at) and any(t not in f for f in first_at)]
+    eos = max(candidates, key=lambda t: (sum(t in f for f in first_at), -min(f.get(t, NEW) for f in first_at)))
+    target = Model(dataclasses.replace(cfg, eos_token_ids=(eos,)), params, name="target")
+    dcfg = dataclasses.replace(target.cfg, num_layers=2)
+    draft = Model(dcfg, {**params, "layers": params["layers"][:2]}, name="draft")
+    ar = ids(target.generate(prompts, max_new_tokens=NEW))
+    assert ids(target.generate(prompts, max_new_tokens=NEW, batch_size=4)) == ar
+    for row, full in zip(ar, free_ar):  # EOS cuts the free run right after its first EOS
+        full = full[:NEW]
+        assert row == (full[:full.index(eos) + 1] if eos in full else full)
+    assert any(len(row) < NEW for row in ar) and any(len(row) == NEW for row in ar)
+    return Spec(target, draft, free, prompts, ar, free_ar, eos)
+
+
+def run(spec: Spec, drafter: str, controller: str = "fixed", *, batch_size: int = 4, max_new_tokens: int = NEW,
+        max_draft: int = K, **options):
+    """Greedy records of spec.prompts under spec.target with a DRAFTERS entry and a CONTROLLERS entry."""
+    opts = {**DRAFTERS[drafter], **CONTROLLERS[controller], **options}
+    method = opts.pop("method")
+    if method == "draft":
+        opts.setdefault("draft_model", spec.draft)
+    return spec.target.generate(spec.prompts, method=method, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                                max_draft=max_draft, **opts)
+
+
+def check_stats(records, k: int, fixed_model_drafter: bool = False):
+    """Invariants of the counters: every round emits 1..accepted+1 tokens, at most k drafted per
+    round after the prefill, accepted <= drafted; a model drafter under `fixed` drafts k."""
+    for r in records:
+        s, n = r["stats"], r["new_tokens"]
+        assert s["mean_accepted_tokens"] == pytest.approx(n / s["rounds"], abs=1e-4)
+        assert s["rounds"] * s["mean_accepted_tokens"] == pytest.approx(n, rel=1e-3)
+        assert 0 <= s["accepted"] <= s["drafted"] <= k * (s["rounds"] - 1)
+        assert s["rounds"] <= n <= s["rounds"] + s["accepted"]
+        if s["drafted"]:
+            assert 0.0 <= s["acceptance_rate"] <= 1.0
+            assert s["acceptance_rate"] == pytest.approx(s["accepted"] / s["drafted"], abs=1e-4)
+        else:
+            assert s["acceptance_rate"] is None
+        if fixed_model_drafter:
+            assert s["drafted"] == k * (s["rounds"] - 1)
+
+
+def check_lossless(spec: Spec, records, k: int = K, fixed_model_drafter: bool = False):
+    assert ids(records) == spec.ar
+    for r in records:
+        t = r["token_ids"]
+        assert (t[-1] == spec.eos and spec.eos not in t[:-1]) if len(t) < NEW else spec.eos not in t
+    check_stats(records, k, fixed_model_drafter)
+
+
+# -- greedy: token-identical to ar ---------------------------------------------------------------
+
+def test_ar_stats(spec):
+    records = spec.target.generate(spec.prompts, max_new_tokens=NEW, batch_size=4)
+    check_lossless(spec, records, k=0)
+    for r in records:
+        assert r["stats"]["mean_accepted_tokens"] == 1.0
+        assert (r["stats"]["drafted"], r["stats"]["accepted"]) == (0, 0)
+        assert r["stats"]["rounds"] == r["new_tokens"]
+
+
+@pytest.mark.parametrize("controller", list(CONTROLLERS))
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
+def test_greedy_equals_ar_batch4(spec, drafter, controller):
+    """Four prompts of very different lengths in one batch; some rows stop at EOS, some run to
+    max_new_tokens."""
+    records = run(spec, drafter, controller)
+    check_lossless(spec, records, fixed_model_drafter=controller == "fixed" and drafter != "ngram")
+    # The drafts are good enough that some are accepted: the lossless check is not vacuous.
+    assert sum(r["stats"]["accepted"] for r in records) >= 4
+
+
+# Every drafter and every controller at batch 1 (a full product would double the compile time).
+BATCH1 = [("draft", "heuristic"), ("early-exit-1", "thompson-beta"), ("early-exit-2", "dv"),
+          ("layer-skip", "thompson-calibration"), ("ngram", "confidence"), ("layer-skip", "fixed")]
+
+
+@pytest.mark.parametrize("drafter, controller", BATCH1)
+def test_greedy_equals_ar_batch1(spec, drafter, controller):
+    records = run(spec, drafter, controller, batch_size=1)
+    check_lossless(spec, records, fixed_model_drafter=controller == "fixed" and drafter != "ngram")
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_every_draft_length(spec, k):
+    """K = 1 .. 8 (the default maximum) under `fixed`: k drafted every round."""
+    records = run(spec, "early-exit-1", "fixed", max_draft=k)
+    check_lossless(spec, records, k=k, fixed_model_drafter=True)
+    assert sum(r["stats"]["accepted"] for r in records) >= 4
+
+
+@pytest.mark.parametrize("max_new, drafter", [(1, "ngram"), (2, "early-exit-2"), (3, "layer-skip"), (5, "draft")])
+def test_max_new_tokens_boundary(spec, max_new, drafter):
+    """A round that would emit past max_new_tokens is cut there: the first max_new tokens of ar."""
+    records = run(spec, drafter, "fixed", max_new_tokens=max_new)
+    assert ids(records) == [row[:max_new] for row in spec.ar]
+    assert all(len(t) == max_new for t in ids(records))  # no row's EOS comes this early (index >= 5)
+    check_stats(records, K, fixed_model_drafter=drafter != "ngram")
+    if max_new == 1:
+        assert all(r["stats"]["rounds"] == 1 and r["stats"]["drafted"] == 0 for r in records)
+
+
+def test_unrelated_draft_model(spec, tmp_path_factory):
+    """A draft model of another shape (hidden size, heads, layers) and weights: nearly every
+    draft is rejected, and the output is still ar's."""
+    _, dcfg, dparams = convert_tiny(tmp_path_factory, "spec-unrelated", seed=11, hidden_size=32,
+                                    num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1)
+    other = Model(dcfg, dparams, name="unrelated")
+    records = run(spec, "draft", "fixed", draft_model=other)
+    check_lossless(spec, records, fixed_model_drafter=True)
+
+
+# -- an oracle drafter: whole drafts accepted, EOS inside them, drafts crossing max_new_tokens ----
+
+@dataclasses.dataclass(frozen=True)
+class Oracle(Drafter):
+    """Proposes the target's own greedy continuation, read from `dparams` [B, W] (each row's
+    prompt then its greedy tokens, by position, past EOS and NEW too), so every draft is accepted whole. With wrong_at = j
+    the token at draft slot j is replaced by another, so exactly j are accepted every round."""
+
+    max_draft: int = 4
+    wrong_at: int = -1
+
+    def draft(self, params, dparams, cfg, s, controller, sampling, key):
+        width = dparams.shape[1]
+        pos = s.length[:, None] + 1 + jnp.arange(self.max_draft)[None, :]
+        tokens = jnp.take_along_axis(dparams, jnp.minimum(pos, width - 1), axis=1)
+        if self.wrong_at >= 0:
+            tokens = tokens.at[:, self.wrong_at].set((tokens[:, self.wrong_at] + 1) % cfg.vocab_size)
+        n = jnp.where(s.done, 0, self.max_draft).astype(jnp.int32)
+        return Draft(tokens, None, n, s.cache, s.dstate, s.cstate)
+
+
+def run_oracle(spec: Spec, drafter: Oracle):
+    m = spec.target
+    requests = m.requests(spec.prompts)
+    width = max(LENGTHS) + FREE_NEW
+    assert FREE_NEW >= NEW + drafter.max_draft
+    table = np.zeros((len(requests), width), np.int32)
+    for i, (r, out) in enumerate(zip(requests, spec.free_ar)):
+        row = r.token_ids + out
+        table[i, :len(row)] = row
+    return m._run_batch(requests, len(requests), NEW, Sampling(), jax.random.key(0),
+                        (drafter, jnp.asarray(table), Fixed()))
+
+
+def test_oracle_drafts_accepted_whole(spec):
+    """Every round emits K drafts + the bonus token; EOS inside an accepted draft ends the row
+    right there (the draft tokens after it are dropped), and the round that crosses NEW is cut."""
+    eos_at = [row.index(spec.eos) for row in spec.ar if spec.eos in row]
+
+    def inside(k):  # rows whose EOS is an accepted draft token with more draft tokens after it
+        return sum((e - 1) % (k + 1) < k - 1 for e in eos_at)
+
+    k = max(range(2, 7), key=inside)
+    assert inside(k) >= 1
+    records = run_oracle(spec, Oracle(max_draft=k))
+    check_lossless(spec, records, k=k, fixed_model_drafter=True)
+    for r in records:
+        s = r["stats"]
+        assert s["rounds"] == 1 + math.ceil((r["new_tokens"] - 1) / (k + 1))
+        assert s["accepted"] == s["drafted"]  # all accepted, even past EOS / NEW: emission cuts
+    assert any(len(t) == NEW and (NEW - 1) % (k + 1) for t in ids(records))  # a row cut at NEW mid-round
+
+
+def test_oracle_partial_accepts(spec):
+    """A draft wrong at slot j: j accepted and the target's token emitted instead, every round."""
+    k, wrong_at = 3, 2
+    records = run_oracle(spec, Oracle(max_draft=k, wrong_at=wrong_at))
+    check_lossless(spec, records, k=k, fixed_model_drafter=True)
+    for r in records:
+        s = r["stats"]
+        assert s["rounds"] == 1 + math.ceil((r["new_tokens"] - 1) / (wrong_at + 1))
+        assert s["accepted"] == wrong_at * (s["rounds"] - 1)
+
+
+# -- compiled once per shape bucket ----------------------------------------------------------------
+
+@pytest.fixture
+def backend_compiles():
+    """Counts XLA backend compilations in this process while the test runs."""
+    from jax._src.dispatch import BACKEND_COMPILE_EVENT
+
+    events = []
+
+    def listener(event, duration, **kwargs):
+        if event == BACKEND_COMPILE_EVENT:
+            events.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    yield events
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_compiled_once_per_bucket(spec, backend_compiles):
+    new = 23  # a max_new_tokens no other test uses, so nothing is in jax's own caches yet
+    m = Model(spec.target.cfg, spec.target.params, name="fresh")
+    a, b = spec.prompts[0], {"token_ids": spec.prompts[3]["token_ids"][:9]}  # 3 and 9 tokens: bucket 32
+    opts = dict(method="early-exit", exit_layer=2, max_draft=K, max_new_tokens=new)
+    [ra] = m.generate([a], **opts)
+    assert len(m._compiled) == 1 and backend_compiles
+    compiled = dict(m._compiled)
+    backend_compiles.clear()
+    [rb] = m.generate([b], **opts)  # another length, the same bucket
+    rs = m.generate([a, b, a], **opts)  # three batches
+    assert m._compiled == compiled and backend_compiles == []
+    assert ids(rs) == [ra["token_ids"], rb["token_ids"], ra["token_ids"]]
+    assert ra["token_ids"] == spec.ar[0][:new]
+
+
+# -- sampling: the target's distribution, exactly ---------------------------------------------------
+
+SV = 16  # vocab of the sampling model: small enough to enumerate two tokens exactly
+SAMPLES = 4096
+SAMPLE_ROWS = 1024  # rows per batch: every row draws its own tokens
+# Every token twice, in the same shuffled order: n-gram lookup always finds the newest token
+# earlier in the text and proposes what followed it.
+SPROMPT = np.random.default_rng(2).permutation(SV).tolist() * 2
+
+
+@dataclasses.dataclass
+class SamplingSetup:
+    target: Model
+    draft: Model
+    p1: np.ndarray  # [V] first token
+    p12: np.ndarray  # [V, V] first two tokens
+    p3: np.ndarray  # [V] third token (marginal)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> SamplingSetup:
+    _, cfg, params = convert_tiny(tmp_path_factory, "spec-small", seed=5, vocab_size=SV, num_hidden_layers=3)
+    cfg = dataclasses.replace(cfg, eos_token_ids=())
+    target = Model(cfg, params, name="small")
+    # Three different draft distributions: layers 0-1 (early exit), 0 and 2 (layer skip), 0 alone (draft model).
+    draft = Model(dataclasses.replace(cfg, num_layers=1), {**params, "layers": params["layers"][:1]}, name="small-draft")
+    return SamplingSetup(target, draft, *exact_marginals(cfg, params, SPROMPT, Sampling(1.0)))
+
+
+def exact_marginals(cfg, params, prompt, sampling: Sampling):
+    """Enumerate every continuation prompt + [a, b]: the exact distributions of the first token,
+    the first two, and the third, from jspec.model.forward and the sampling filters."""
+    v, p = cfg.vocab_size, len(prompt)
+    pairs = np.array([[a, b] for a in range(v) for b in range(v)], np.int32)
+    tokens = np.concatenate([np.tile(np.asarray(prompt, np.int32), (v * v, 1)), pairs], axis=1)
+    cache = jmodel.KVCache.zeros(cfg, v * v, p + 2, jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(p + 2, dtype=jnp.int32), tokens.shape)
+    h, _ = jmodel.forward(params, cfg, jnp.asarray(tokens), positions, cache)
+    probs = np.asarray(probabilities(jmodel.logits(params, cfg, h), sampling), np.float64)
+    p1 = probs[0, p - 1]
+    p2 = probs[::v, p].reshape(v, v)  # row a: after prompt + [a]
+    p12 = p1[:, None] * p2
+    p3 = (p12.reshape(-1, 1) * probs[:, p + 1]).sum(0)
+    return p1, p12, p3
+
+
+def assert_sampled_from(counts, probs, what):
+    """Chi-square goodness of fit (cells expecting fewer than 5 draws pooled); deterministic
+    (seeded), so the threshold is about power, not flakiness."""
+    counts, probs = np.asarray(counts, np.float64).ravel(), np.asarray(probs, np.float64).ravel()
+    assert counts[probs < 1e-12].sum() == 0, f"{what}: drew a token of probability 0"
+    expected = probs * counts.sum()
+    big = expected >= 5
+    obs, exp = np.append(counts[big], counts[~big].sum()), np.append(expected[big], expected[~big].sum())
+    if exp[-1] < 5:  # too little pooled mass to stand alone: fold it into the largest cell
+        top = np.argmax(exp[:-1])
+        obs[top], exp[top] = obs[top] + obs[-1], exp[top] + exp[-1]
+        obs, exp = obs[:-1], exp[:-1]
+    pvalue = stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+    assert pvalue > 1e-3, f"{what}: chi-square p = {pvalue:.2e}\nobserved {obs}\nexpected {np.round(exp, 1)}"
+    return pvalue
+
+
+SAMPLED = {
+    "ar": dict(method="ar"),
+    "early-exit": dict(method="early-exit", exit_layer=2, max_draft=3),  # confidence controller
+    "ngram": dict(method="ngram", max_draft=3),
+    "layer-skip": dict(method="layer-skip", skip_layers=(1,), max_draft=3, controller="thompson"),
+    "draft": dict(method="draft", max_draft=3, controller="heuristic"),
+    # temperature, top-k and top-p: target and draft distributions both filtered
+    "draft-filtered": dict(method="draft", max_draft=3, controller="fixed", temperature=0.8, top_k=6, top_p=0.9),
+}
+
+
+@pytest.mark.parametrize("method", list(SAMPLED))
+def test_sampling_matches_target_distribution(small, method):
+    opts = {"temperature": 1.0, **SAMPLED[method]}
+    if opts["method"] == "draft":
+        opts["draft_model"] = small.draft
+    exact = (small.p1, small.p12, small.p3)
+    if opts.get("top_k") or opts.get("top_p"):
+        sampling = Sampling(opts["temperature"], opts.get("top_k", 0), opts.get("top_p", 1.0))
+        exact = exact_marginals(small.target.cfg, small.target.params, SPROMPT, sampling)
+        assert (exact[0] == 0).sum() >= SV - 6  # the filters do cut tokens
+    records = small.target.generate([{"token_ids": SPROMPT}] * SAMPLES, max_new_tokens=3, batch_size=SAMPLE_ROWS,
+                                    seed=17, **opts)
+    out = np.array(ids(records))
+    assert out.shape == (SAMPLES, 3)
+    v = SV
+    assert_sampled_from(np.bincount(out[:, 0], minlength=v), exact[0], "first token")
+    assert_sampled_from(np.bincount(out[:, 0] * v + out[:, 1], minlength=v * v), exact[1], "first two tokens")
+    assert_sampled_from(np.bincount(out[:, 2], minlength=v), exact[2], "third token")
+    if method != "ar":
+        # Drafts were proposed, and both accepted and rejected: the test exercises rejection sampling.
+        drafted = sum(r["stats"]["drafted"] for r in records)
+        accepted = sum(r["stats"]["accepted"] for r in records)
+        assert 200 < accepted < 0.95 * drafted, (accepted, drafted)
+    check_stats(records, opts.get("max_draft", 0))

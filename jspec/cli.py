@@ -268,7 +268,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     jax.block_until_ready(params)
     load_s = time.perf_counter() - t0
     tok = "with tokenizer" if tokenizer is not None else "no tokenizer: token ids only"
-    print(f"loaded {out} in {load_s:.2f} s ({store.param_count(params) / 1e6:.1f}M parameters, "
+    print(f"loaded {out} in {load_s:.2f} s ({sum(x.size for x in jax.tree.leaves(params)) / 1e6:.1f}M parameters, "
           f"{cfg.arch}, {tok})")
     return 0
 

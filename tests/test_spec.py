@@ -293,34 +293,18 @@ def test_oracle_partial_accepts(spec):
 
 # -- compiled once per shape bucket ----------------------------------------------------------------
 
-@pytest.fixture
-def backend_compiles():
-    """Counts XLA backend compilations in this process while the test runs."""
-    from jax._src.dispatch import BACKEND_COMPILE_EVENT
-
-    events = []
-
-    def listener(event, duration, **kwargs):
-        if event == BACKEND_COMPILE_EVENT:
-            events.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    yield events
-    jax.monitoring.unregister_event_duration_listener(listener)
-
-
-def test_compiled_once_per_bucket(spec, backend_compiles):
+def test_compiled_once_per_bucket(spec, count_compiles):
     new = 23  # a max_new_tokens no other test uses, so nothing is in jax's own caches yet
     m = Model(spec.target.cfg, spec.target.params, name="fresh")
     a, b = spec.prompts[0], {"token_ids": spec.prompts[3]["token_ids"][:9]}  # 3 and 9 tokens: bucket 32
     opts = dict(method="early-exit", exit_layer=2, max_draft=K, max_new_tokens=new)
     [ra] = m.generate([a], **opts)
-    assert len(m._compiled) == 1 and backend_compiles
+    assert len(m._compiled) == 1 and count_compiles
     compiled = dict(m._compiled)
-    backend_compiles.clear()
+    count_compiles.clear()
     [rb] = m.generate([b], **opts)  # another length, the same bucket
     rs = m.generate([a, b, a], **opts)  # three batches
-    assert m._compiled == compiled and backend_compiles == []
+    assert m._compiled == compiled and count_compiles == []
     assert ids(rs) == [ra["token_ids"], rb["token_ids"], ra["token_ids"]]
     assert ra["token_ids"] == spec.ar[0][:new]
 

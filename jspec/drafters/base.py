@@ -33,11 +33,11 @@ class Draft:
     cstate: object
 
 
-def target_prefill(params, cfg, tokens, prompt_lens, cache, layers=None):
+def target_prefill(params, cfg, tokens, prompt_lens, cache):
     """Run the prompt through the target; hidden state at each row's last prompt token [B, D]."""
     b, p = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    h, cache = model.run_layers(params, cfg, model.embed(params, tokens), positions, cache, layers)
+    h, cache = model.forward(params, cfg, tokens, positions, cache)
     return last_prompt_state(h, prompt_lens), cache
 
 

@@ -191,7 +191,8 @@ class Model:
 
     def _compile(self, rows, p, s, max_new, sampling, plan, cache, args, key):
         drafter, dparams, controller = plan
-        sig = (rows, p, s, max_new, sampling, drafter, controller)
+        shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(dparams))
+        sig = (rows, p, s, max_new, sampling, drafter, controller, jax.tree.structure(dparams), shapes)
         if sig not in self._compiled:
             lowered = loop.generate.lower(self.params, dparams, cache, *args, key, cfg=self.cfg, sampling=sampling,
                                           max_new_tokens=max_new, drafter=drafter, controller=controller)

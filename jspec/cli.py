@@ -1,9 +1,11 @@
-"""The `jspec` command line: generate, convert, bench.
+"""The `jspec` command line: generate, convert, bench, distill-data, train-head.
 
     jspec generate "Name three primes."                       # the answer on stdout, speed on stderr
     jspec generate --prompts in.jsonl --output out.jsonl     # one record per prompt, resumable
     jspec convert model.gguf converted/                       # convert once, load fast
     jspec bench ...                                           # see jspec/bench.py
+    jspec distill-data --out data/                            # the target's own answers, for heads
+    jspec train-head --kind eesd --exit-layer 6 --data data/ --out head/   # see jspec/training
 
 Every user or input error ends as one line, `jspec: error: ...`, on stderr, with exit status 2
 (1 for other I/O failures, 130 on Ctrl-C): no tracebacks. Cheap checks run before the model is
@@ -74,7 +76,7 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
                    help="feed text prompts as they are, without the model's chat template")
     d = p.add_argument_group("speculative decoding (methods other than ar)")
     d.add_argument("--max-draft", type=int, default=None, metavar="K",
-                   help="most tokens drafted per round (default: 8)")
+                   help="most tokens drafted per round (default: 4 for eesd and kangaroo, 8 otherwise)")
     d.add_argument("--controller", default=None, choices=tuple(CONTROLLERS),
                    help="draft-length controller (default: the method's own, see docs/methods.md)")
     d.add_argument("--threshold", type=float, default=None,
@@ -89,6 +91,9 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
                    help="layer-skip: comma-separated layers to skip (default: see docs/methods.md)")
     d.add_argument("--draft-model", default=None, metavar="PATH_OR_ID",
                    help="draft: a smaller model sharing the target's tokenizer")
+    d.add_argument("--head", default=None, metavar="PATH",
+                   help="eesd, kangaroo: a head from jspec train-head (default: the one shipped for the "
+                        "default model)")
 
 
 def check_generation_args(args: argparse.Namespace) -> None:
@@ -123,7 +128,8 @@ def generation_options(args: argparse.Namespace) -> dict:
             raise JspecError(f"--skip-layers takes comma-separated layer numbers, got {args.skip_layers!r}")
     method = {"max_draft": args.max_draft, "controller": args.controller, "threshold": args.threshold,
               "thompson_variant": args.thompson_variant, "draft_cost": args.draft_cost,
-              "exit_layer": args.exit_layer, "skip_layers": skip, "draft_model": args.draft_model}
+              "exit_layer": args.exit_layer, "skip_layers": skip, "draft_model": args.draft_model,
+              "head": args.head}
     return dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, temperature=args.temperature,
                 top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                 **{k: v for k, v in method.items() if v is not None})
@@ -273,6 +279,98 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- distill-data, train-head -------------------------------------------------------------------
+
+TRAIN_PROMPTS = os.path.join("..", "shared", "data", "train_prompts.jsonl")
+
+
+def _add_distill(sub) -> None:
+    p = sub.add_parser(
+        "distill-data", help="record the model's own answers and distributions for training draft heads",
+        description="Let the model answer training prompts and store its answers and top-k next-token "
+                    "log-probabilities in shards under OUT. Rerunning the same command resumes.")
+    p.add_argument("--prompts", default=TRAIN_PROMPTS, metavar="IN.jsonl",
+                   help="training prompts (default: %(default)s); never the evaluation set")
+    p.add_argument("--out", required=True, metavar="DIR", help="the data folder")
+    p.add_argument("--count", type=int, default=512, help="prompts to answer (default: %(default)s)")
+    p.add_argument("--max-prompt-tokens", type=int, default=256, metavar="N",
+                   help="leave out longer prompts (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
+                   help="answer length at most (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="0 for greedy answers, > 0 to sample them (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=32, metavar="K",
+                   help="teacher log-probabilities kept per position (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=16, metavar="N", help="(default: %(default)s)")
+    p.add_argument("--shard-size", type=int, default=64, metavar="N", help="prompts per shard (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="prompt choice and sampling seed (default: %(default)s)")
+    add_model_options(p)
+    p.set_defaults(func=cmd_distill)
+
+
+def cmd_distill(args: argparse.Namespace) -> int:
+    from jspec.jsonl import read_prompts
+    from jspec.training import distill
+
+    if os.path.basename(args.prompts) == "spec_bench.jsonl":
+        raise JspecError("spec_bench.jsonl is the evaluation set: distill from training prompts")
+    prompts = read_prompts(args.prompts)
+    model = load_model(args)
+    out = distill.make(model, prompts, args.out, count=args.count, max_prompt_tokens=args.max_prompt_tokens,
+                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                       shard_size=args.shard_size, batch_size=args.batch_size, seed=args.seed)
+    meta, data = distill.load(out)
+    print(f"{out}: {len(data['tokens'])} answers, {int(data['answer_lens'].sum())} answer tokens", file=sys.stderr)
+    return 0
+
+
+def _add_train_head(sub) -> None:
+    from jspec.heads import KINDS
+    from jspec.training.train import Recipe
+
+    r = Recipe()
+    p = sub.add_parser(
+        "train-head", help="train an EESD exit layer or a Kangaroo adapter on distillation data",
+        description="Train a draft head on the data of `jspec distill-data`, checkpointing under OUT/train "
+                    "(rerunning the same command resumes), then save the head to OUT.")
+    p.add_argument("--kind", required=True, choices=KINDS)
+    p.add_argument("--exit-layer", type=int, required=True, metavar="N", help="draft from the first N layers")
+    p.add_argument("--data", required=True, metavar="DIR", help="a jspec distill-data folder")
+    p.add_argument("--out", required=True, metavar="DIR", help="where the trained head goes")
+    p.add_argument("--steps", type=int, default=r.steps, help="(default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=r.batch_size, metavar="N", help="(default: %(default)s)")
+    p.add_argument("--lr", type=float, default=r.lr, help="peak learning rate (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=r.warmup, metavar="STEPS", help="(default: %(default)s)")
+    p.add_argument("--weight-decay", type=float, default=r.weight_decay, help="(default: %(default)s)")
+    p.add_argument("--clip", type=float, default=r.clip, help="gradient norm clip (default: %(default)s)")
+    p.add_argument("--ce-weight", type=float, default=r.ce_weight,
+                   help="weight of cross-entropy on the answer tokens, added to the KL (default: %(default)s)")
+    p.add_argument("--draft-vocab", type=int, default=r.draft_vocab, metavar="M",
+                   help="draft-only vocabulary: the M most frequent answer tokens; 0 = all (default: %(default)s)")
+    p.add_argument("--eval-fraction", type=float, default=r.eval_fraction, help="(default: %(default)s)")
+    p.add_argument("--save-every", type=int, default=r.save_every, metavar="STEPS", help="(default: %(default)s)")
+    p.add_argument("--seed", type=int, default=r.seed, help="(default: %(default)s)")
+    add_model_options(p)
+    p.set_defaults(func=cmd_train_head)
+
+
+def cmd_train_head(args: argparse.Namespace) -> int:
+    from jspec.training import train
+
+    recipe = train.Recipe(kind=args.kind, exit_layer=args.exit_layer, steps=args.steps, batch_size=args.batch_size,
+                          lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip,
+                          ce_weight=args.ce_weight, draft_vocab=args.draft_vocab,
+                          eval_fraction=args.eval_fraction, save_every=args.save_every, seed=args.seed)
+    recipe.check()
+    if not os.path.isfile(os.path.join(args.data, "meta.json")):
+        raise JspecError(f"{args.data} holds no distillation data (no meta.json); run jspec distill-data first")
+    model = load_model(args)
+    path, summary = train.train(model, args.data, args.out, recipe)
+    print(f"saved {path}: held-out agreement {summary['agreement']:.3f}, expected acceptance "
+          f"{summary['expected_acceptance']:.3f}, {summary['wall_seconds']:.0f} s", file=sys.stderr)
+    return 0
+
+
 # -- bench (jspec/bench.py: add_arguments(parser), main(args) -> int) --------------------------
 
 def _add_bench(sub, wanted: bool) -> None:
@@ -304,6 +402,8 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_generate(sub)
     _add_convert(sub)
+    _add_distill(sub)
+    _add_train_head(sub)
     _add_bench(sub, wanted=bool(argv) and argv[0] == "bench")
     return parser
 

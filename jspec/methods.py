@@ -6,6 +6,12 @@ back to the method's defaults, which are documented in docs/methods.md.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jspec import heads
 from jspec.controllers import make_controller
 from jspec.drafters.draft_model import DraftModel
 from jspec.drafters.early_exit import EarlyExit
@@ -14,11 +20,19 @@ from jspec.drafters.ngram import NGram
 from jspec.drafters.none import NoDraft
 from jspec.errors import JspecError
 
-METHODS = ("ar", "draft", "early-exit", "layer-skip", "ngram")
+METHODS = ("ar", "draft", "early-exit", "eesd", "kangaroo", "layer-skip", "ngram")
 LOSSLESS = METHODS
-DEFAULT_CONTROLLER = {"ar": "fixed", "draft": "fixed", "early-exit": "confidence", "layer-skip": "dv",
-                      "ngram": "fixed"}
-DEFAULT_MAX_DRAFT = 8
+DEFAULT_CONTROLLER = {"ar": "fixed", "draft": "fixed", "early-exit": "confidence", "eesd": "thompson",
+                      "kangaroo": "confidence", "layer-skip": "dv", "ngram": "fixed"}
+# K fixes the verification width (K + 1 positions every round, whatever the controller stops at).
+# On a CPU verifying 5 positions costs about 2 decode steps and 9 about 2.7
+# (benchmarks/forward_cost.py), so the trained heads, which stop adaptively anyway, default to 4.
+DEFAULT_MAX_DRAFT = {"eesd": 4, "kangaroo": 4}
+MAX_DRAFT = 8
+HEAD_METHODS = heads.KINDS
+# Heads trained for the default model, found here when --head is not given (see checkpoints/README.md).
+SHIPPED_HEADS = Path(__file__).resolve().parents[1] / "checkpoints"
+DEFAULT_MODEL_KEY = "smollm2-135m-instruct"
 
 
 def default_skip_layers(num_layers: int) -> tuple[int, ...]:
@@ -28,16 +42,18 @@ def default_skip_layers(num_layers: int) -> tuple[int, ...]:
 
 def build(method: str, model, *, max_draft: int | None = None, controller: str | None = None,
           exit_layer: int | None = None, skip_layers=None, draft_model=None, threshold: float | None = None,
-          thompson_variant: str | None = None, draft_cost: float | None = None):
+          thompson_variant: str | None = None, draft_cost: float | None = None, head: str | None = None):
     """(drafter, drafter params, controller) for `method` on `model` (a jspec.api.Model)."""
     if method not in METHODS:
         raise JspecError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     cfg = model.cfg
-    k = DEFAULT_MAX_DRAFT if max_draft is None else max_draft
+    k = DEFAULT_MAX_DRAFT.get(method, MAX_DRAFT) if max_draft is None else max_draft
     if method != "ar" and not 1 <= k <= 64:
         raise JspecError(f"--max-draft must be between 1 and 64, got {k}")
     ctrl = make_controller(controller or DEFAULT_CONTROLLER[method], threshold=threshold,
                            variant=thompson_variant, cost=draft_cost)
+    if head is not None and method not in HEAD_METHODS:
+        raise JspecError(f"--head goes with --method {' or '.join(HEAD_METHODS)}")
     if method == "ar":
         return NoDraft(), (), ctrl
     if method == "ngram":
@@ -48,6 +64,14 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
         if bad or len(skip) >= cfg.num_layers:
             raise JspecError(f"--skip-layers must name some (not all) of layers 0..{cfg.num_layers - 1}")
         return LayerSkip(max_draft=k, skip=skip), (), ctrl
+    if method in HEAD_METHODS:
+        hp, meta = _load_head(method, model, head)
+        if exit_layer is not None and exit_layer != meta["exit_layer"]:
+            raise JspecError(f"the {method} head exits at layer {meta['exit_layer']}, not --exit-layer {exit_layer}")
+        dtype = model.params["embed"].dtype
+        dparams = jax.tree.map(lambda x: x if x.dtype == jnp.int32 else x.astype(dtype),
+                               heads.draft_params(model.params, hp))
+        return EarlyExit(max_draft=k, exit_layer=meta["exit_layer"], head=heads.Head()), dparams, ctrl
     if method == "early-exit":
         n = cfg.num_layers // 4 if exit_layer is None else exit_layer
         if not 1 <= n < cfg.num_layers:
@@ -59,3 +83,24 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
         raise JspecError(f"the draft model's vocabulary ({draft_model.cfg.vocab_size}) differs from the "
                          f"target's ({cfg.vocab_size}); they must share a tokenizer")
     return DraftModel(draft_cfg=draft_model.cfg, max_draft=k), draft_model.params, ctrl
+
+
+def shipped_head(model, method: str) -> Path | None:
+    """The head shipped for `model` and `method`, if `model` is the default model."""
+    from jspec.convert.cache import DEFAULT_MODEL
+
+    path = SHIPPED_HEADS / DEFAULT_MODEL_KEY / method
+    return path if model.name == DEFAULT_MODEL and (path / "head.json").is_file() else None
+
+
+def _load_head(method: str, model, head: str | None):
+    path = head or shipped_head(model, method)
+    if path is None:
+        raise JspecError(f"--method {method} needs --head PATH: heads ship only for the default model "
+                         f"(train one with jspec train-head --kind {method})")
+    if not Path(path).exists():
+        raise JspecError(f"head {path} does not exist")
+    hp, meta = heads.load(path, model.cfg)
+    if meta["kind"] != method:
+        raise JspecError(f"head {path} is a {meta['kind']} head, not a {method} head")
+    return hp, meta

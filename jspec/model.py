@@ -96,9 +96,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array) -> jax
     return jnp.einsum("bkgts,bskh->btkgh", probs, v)
 
 
-def decoder_layer(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array, positions: jax.Array,
-                  cos: jax.Array, sin: jax.Array, k_cache: jax.Array, v_cache: jax.Array):
-    """One pre-norm decoder block. h [B, T, D]; k_cache, v_cache [B, S, K, H] of this layer."""
+def attention_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array, positions: jax.Array,
+                    cos: jax.Array, sin: jax.Array, k_cache: jax.Array, v_cache: jax.Array):
+    """The attention half of a decoder block, residual included: h [B, T, D] -> h, k_cache, v_cache."""
     g = cfg.group_size
     x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
     qkv = x @ lp["wqkv"]
@@ -111,10 +111,21 @@ def decoder_layer(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array, p
     k_cache = _write(k_cache, k, positions[:, 0])
     v_cache = _write(v_cache, v, positions[:, 0])
     out = attention(q, k_cache, v_cache, positions)
-    h = h + out.reshape(*out.shape[:2], -1) @ lp["wo"]
+    return h + out.reshape(*out.shape[:2], -1) @ lp["wo"], k_cache, v_cache
+
+
+def mlp_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array) -> jax.Array:
+    """The MLP half of a decoder block, residual included."""
     x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
     gate, up = jnp.split(x @ lp["w_gate_up"], 2, axis=-1)
-    return h + (jax.nn.silu(gate) * up) @ lp["w_down"], k_cache, v_cache
+    return h + (jax.nn.silu(gate) * up) @ lp["w_down"]
+
+
+def decoder_layer(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array, positions: jax.Array,
+                  cos: jax.Array, sin: jax.Array, k_cache: jax.Array, v_cache: jax.Array):
+    """One pre-norm decoder block. h [B, T, D]; k_cache, v_cache [B, S, K, H] of this layer."""
+    h, k_cache, v_cache = attention_block(cfg, lp, h, positions, cos, sin, k_cache, v_cache)
+    return mlp_block(cfg, lp, h), k_cache, v_cache
 
 
 def embed(params: Params, tokens: jax.Array) -> jax.Array:

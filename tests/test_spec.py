@@ -27,6 +27,7 @@ import pytest
 from scipy import stats
 
 from conftest import save_source, tiny_hf_model
+from jspec import heads
 from jspec import model as jmodel
 from jspec.api import Model
 from jspec.controllers import Fixed
@@ -46,7 +47,10 @@ DRAFTERS = {
     "early-exit-2": dict(method="early-exit", exit_layer=2),
     "layer-skip": dict(method="layer-skip", skip_layers=(1, 2)),
     "ngram": dict(method="ngram"),
+    "eesd": dict(method="eesd"),  # heads copied from layer 1 (untrained), draft vocabulary with gaps
+    "kangaroo": dict(method="kangaroo"),
 }
+HEAD_EXIT = 1
 CONTROLLERS = {
     "fixed": dict(controller="fixed"),
     "confidence": dict(controller="confidence"),
@@ -100,6 +104,15 @@ class Spec:
     ar: list  # greedy `ar` token ids of `prompts` under `target`
     free_ar: list  # ... under `free`: always FREE_NEW tokens
     eos: int
+    heads: dict  # method -> saved head folder
+
+
+def save_heads(folder, cfg, params, vocab) -> dict:
+    """Untrained eesd and kangaroo heads (copies of layer HEAD_EXIT) over draft vocabulary `vocab`."""
+    meta = lambda kind: {"kind": kind, "exit_layer": HEAD_EXIT, "model": heads.fingerprint(cfg),
+                         "draft_vocab": len(vocab)}
+    return {kind: str(heads.save(folder / kind, heads.init(params, cfg, kind, HEAD_EXIT, vocab), meta(kind)))
+            for kind in heads.KINDS}
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +138,11 @@ def spec(tmp_path_factory) -> Spec:
         full = full[:NEW]
         assert row == (full[:full.index(eos) + 1] if eos in full else full)
     assert any(len(row) < NEW for row in ar) and any(len(row) == NEW for row in ar)
-    return Spec(target, draft, free, prompts, ar, free_ar, eos)
+    # The heads' draft vocabulary leaves out one token the target emits: it can never be drafted.
+    emitted = sorted({t for row in free_ar for t in row})
+    vocab = np.array([t for t in emitted if t != ar[0][1]], np.int32)
+    head_paths = save_heads(tmp_path_factory.mktemp("spec-heads"), cfg, params, vocab)
+    return Spec(target, draft, free, prompts, ar, free_ar, eos, head_paths)
 
 
 def run(spec: Spec, drafter: str, controller: str = "fixed", *, batch_size: int = 4, max_new_tokens: int = NEW,
@@ -135,6 +152,8 @@ def run(spec: Spec, drafter: str, controller: str = "fixed", *, batch_size: int 
     method = opts.pop("method")
     if method == "draft":
         opts.setdefault("draft_model", spec.draft)
+    if method in heads.KINDS:
+        opts.setdefault("head", spec.heads[method])
     return spec.target.generate(spec.prompts, method=method, max_new_tokens=max_new_tokens, batch_size=batch_size,
                                 max_draft=max_draft, **opts)
 
@@ -189,7 +208,8 @@ def test_greedy_equals_ar_batch4(spec, drafter, controller):
 
 # Every drafter and every controller at batch 1 (a full product would double the compile time).
 BATCH1 = [("draft", "heuristic"), ("early-exit-1", "thompson-beta"), ("early-exit-2", "dv"),
-          ("layer-skip", "thompson-calibration"), ("ngram", "confidence"), ("layer-skip", "fixed")]
+          ("layer-skip", "thompson-calibration"), ("ngram", "confidence"), ("layer-skip", "fixed"),
+          ("eesd", "thompson-beta"), ("kangaroo", "confidence")]
 
 
 @pytest.mark.parametrize("drafter, controller", BATCH1)
@@ -380,14 +400,24 @@ SAMPLED = {
     "draft": dict(method="draft", max_draft=3, controller="heuristic"),
     # temperature, top-k and top-p: target and draft distributions both filtered
     "draft-filtered": dict(method="draft", max_draft=3, controller="fixed", temperature=0.8, top_k=6, top_p=0.9),
+    "eesd": dict(method="eesd", max_draft=3),  # thompson; a draft vocabulary of 12 of the 16 tokens
+    "kangaroo": dict(method="kangaroo", max_draft=3),  # confidence
 }
 
 
+@pytest.fixture(scope="module")
+def small_heads(small, tmp_path_factory) -> dict:
+    vocab = np.arange(SV, dtype=np.int32)[2:14]
+    return save_heads(tmp_path_factory.mktemp("small-heads"), small.target.cfg, small.target.params, vocab)
+
+
 @pytest.mark.parametrize("method", list(SAMPLED))
-def test_sampling_matches_target_distribution(small, method):
+def test_sampling_matches_target_distribution(small, small_heads, method):
     opts = {"temperature": 1.0, **SAMPLED[method]}
     if opts["method"] == "draft":
         opts["draft_model"] = small.draft
+    if opts["method"] in heads.KINDS:
+        opts["head"] = small_heads[opts["method"]]
     exact = (small.p1, small.p12, small.p3)
     if opts.get("top_k") or opts.get("top_p"):
         sampling = Sampling(opts["temperature"], opts.get("top_k", 0), opts.get("top_p", 1.0))

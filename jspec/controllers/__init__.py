@@ -1,0 +1,35 @@
+"""Draft-length controllers: after each drafted token, should this row draft another?
+
+A controller is a static, hashable config with three pure functions over a state pytree that
+the engine carries through its jitted loop (PRNG keys come from the loop):
+
+    init(batch, max_draft)            -> state
+    keep(state, j, confidence, key)   -> (continue [B] bool, state)   after draft token j (0-based)
+    update(state, n_draft, n_accepted, live) -> state                 after verification
+
+`confidence` [B] is the top-1 probability of the draft distribution for the token just drafted.
+The drafted token itself is always verified; `keep` only decides whether to draft one more.
+
+A new controller is one file here plus its entry in CONTROLLERS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jspec.controllers.confidence import Confidence
+from jspec.controllers.dv import DraftVerify
+from jspec.controllers.fixed import Fixed
+from jspec.controllers.heuristic import Heuristic
+from jspec.controllers.thompson import Thompson
+from jspec.errors import JspecError
+
+CONTROLLERS = {"fixed": Fixed, "confidence": Confidence, "heuristic": Heuristic, "dv": DraftVerify,
+               "thompson": Thompson}
+
+
+def make_controller(name: str, **options):
+    if name not in CONTROLLERS:
+        raise JspecError(f"unknown controller {name!r}; choose one of {', '.join(CONTROLLERS)}")
+    fields = {f.name for f in dataclasses.fields(CONTROLLERS[name])}
+    return CONTROLLERS[name](**{k: v for k, v in options.items() if k in fields and v is not None})

@@ -1,0 +1,146 @@
+"""Trained draft heads for early-exit self-speculation: EESD's exit layer and Kangaroo's adapter.
+
+A head turns the target's layer-N hidden state into draft logits through the target's frozen
+LM head. Its own parameters (D hidden, F MLP width, M draft vocabulary):
+
+    eesd      layer = a full decoder block (attention + MLP), norm [D]     (EESD's early-exit layer)
+    kangaroo  layer = the attention half only (norm, attention, residual), norm [D]   (no MLP)
+    both      vocab [M] int32: the draft-only vocabulary (FR-Spec), the M tokens the head may propose
+
+Both start as copies of the target's layer N (the first layer a draft skips) and final norm.
+Drafting scores only the M vocabulary rows of the LM head, which is what makes a draft step cheap
+(the full 49,152-token head is a fifth of SmolLM2-135M); tokens outside get zero draft
+probability. Verification always uses the full head, so the output stays the target's.
+
+The head attends over its own one-layer KV cache, filled from the prompt at prefill and one
+position per draft step; like the target's cache, stale entries past a row's position are
+masked, never copied.
+
+A saved head is a folder: head.json (kind, exit layer, the model it was trained for, training
+summary) and params/ (orbax). `load` refuses a head whose model does not match.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jspec import model
+from jspec.config import ModelConfig
+from jspec.errors import JspecError
+
+KINDS = ("eesd", "kangaroo")
+FORMAT = 1
+_ATTENTION = ("attn_norm", "wqkv", "bqkv", "wo")
+_MLP = ("mlp_norm", "w_gate_up", "w_down")
+
+
+def init(params, cfg: ModelConfig, kind: str, exit_layer: int, vocab: jax.Array) -> dict:
+    """Head parameters copied from the target's layer `exit_layer` and final norm."""
+    if kind not in KINDS:
+        raise JspecError(f"unknown head kind {kind!r}; choose one of {', '.join(KINDS)}")
+    src = params["layers"][exit_layer]
+    names = _ATTENTION + (_MLP if kind == "eesd" else ())
+    layer = {k: jnp.array(src[k], jnp.float32) for k in names if k in src}
+    return {"layer": layer, "norm": jnp.array(params["final_norm"], jnp.float32),
+            "vocab": jnp.asarray(vocab, jnp.int32)}
+
+
+def block(cfg: ModelConfig, hp: dict, h: jax.Array, positions: jax.Array, kv: dict):
+    """The head's layer on h [B, T, D] (layer-N states) -> (normed features [B, T, D], kv)."""
+    cos, sin = model.rope(cfg, positions)
+    h, k, v = model.attention_block(cfg, hp["layer"], h, positions, cos, sin, kv["k"], kv["v"])
+    if "w_down" in hp["layer"]:
+        h = model.mlp_block(cfg, hp["layer"], h)
+    return model.rms_norm(h, hp["norm"], cfg.rms_norm_eps), {"k": k, "v": v}
+
+
+def empty_kv(cfg: ModelConfig, batch: int, length: int, dtype) -> dict:
+    shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def draft_params(params, hp: dict) -> dict:
+    """What drafting needs: the head and the LM head's columns of its vocabulary [D, M]."""
+    return {**hp, "lm_head": jnp.take(params["lm_head"], hp["vocab"], axis=1)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Head:
+    """The `head` hook of the early-exit drafter (jspec.drafters.early_exit), over `dparams` made
+    by `draft_params`."""
+
+    def prefill(self, dparams, cfg, h, positions, cache_len):
+        _, kv = block(cfg, dparams, h, positions, empty_kv(cfg, h.shape[0], cache_len, h.dtype))
+        return kv
+
+    def logits(self, params, dparams, cfg, h, positions, kv):
+        x, kv = block(cfg, dparams, h, positions, kv)
+        sub = jnp.dot(x, dparams["lm_head"], preferred_element_type=jnp.float32)  # [B, T, M]
+        full = jnp.full((*sub.shape[:-1], cfg.vocab_size), jnp.finfo(jnp.float32).min, jnp.float32)
+        return full.at[..., dparams["vocab"]].set(sub), kv
+
+    def advance(self, dparams, cfg, h, positions, kv):
+        return block(cfg, dparams, h, positions, kv)[1]
+
+
+# -- saving and loading --------------------------------------------------------------------------
+
+def fingerprint(cfg: ModelConfig) -> dict:
+    """What a head depends on: a head trained on one model is meaningless on another."""
+    return {"arch": cfg.arch, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+            "num_layers": cfg.num_layers, "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads,
+            "intermediate_size": cfg.intermediate_size}
+
+
+def save(path: str | os.PathLike, hp: dict, meta: dict) -> Path:
+    """Write the head folder atomically (a temporary folder renamed into place)."""
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        ckpt = ocp.StandardCheckpointer()
+        ckpt.save(tmp / "params", hp)
+        ckpt.wait_until_finished()
+        (tmp / "head.json").write_text(json.dumps({"format": FORMAT, **meta}, indent=1) + "\n")
+        if path.exists():
+            shutil.rmtree(path)
+        tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def read_meta(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    if not (path / "head.json").is_file():
+        raise JspecError(f"{path} is not a jspec head (no head.json)")
+    meta = json.loads((path / "head.json").read_text())
+    if meta.get("format") != FORMAT:
+        raise JspecError(f"head {path} has format {meta.get('format')}; this jspec reads format {FORMAT}")
+    return meta
+
+
+def load(path: str | os.PathLike, cfg: ModelConfig) -> tuple[dict, dict]:
+    """(head params, meta) of a saved head, refused unless it was trained for a model like `cfg`."""
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    meta = read_meta(path)
+    want, got = fingerprint(cfg), meta["model"]
+    diff = [f"{k} {got.get(k)} (this model: {v})" for k, v in want.items() if got.get(k) != v]
+    if diff:
+        raise JspecError(f"head {path} was trained for another model: " + ", ".join(diff))
+    if not 1 <= meta["exit_layer"] < cfg.num_layers:
+        raise JspecError(f"head {path} exits at layer {meta['exit_layer']}, outside this model's layers")
+    return ocp.StandardCheckpointer().restore(path / "params"), meta

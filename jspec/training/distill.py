@@ -1,0 +1,148 @@
+"""Self-distillation data: the target's own answers to training prompts, and its distributions.
+
+`make(model, prompts, out, ...)` picks prompts (a seeded shuffle, prompts longer than
+`max_prompt_tokens` left out), lets the target answer them with jspec's own decoding (greedy, or
+sampled with `temperature`), then runs the target once more over prompt + answer and keeps its
+top-k next-token log-probabilities at every answer position. Heads train against those, so a
+head for any exit layer trains from the same data (the frozen first N layers are recomputed in
+training; they cost less than storing hidden states for every candidate layer).
+
+OUT/meta.json          what was asked for (a rerun must ask for the same to resume)
+OUT/shard-00000.npz    tokens [N, P+A] (prompt then answer, zero padded), prompt_lens [N],
+                       answer_lens [N], top_ids [N, A, k] int32, top_logp [N, A, k] float32
+
+Shards are written whole (temporary name, then rename); a rerun skips the shards that exist,
+so an interrupted run resumes losing at most one shard.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import random
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec import model as M
+from jspec.errors import JspecError
+
+FORMAT = 1
+
+
+def make(lm, prompts: list[dict], out: str | os.PathLike, *, count: int = 512, max_prompt_tokens: int = 256,
+         max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 32, shard_size: int = 64,
+         batch_size: int = 16, seed: int = 0, progress: bool = True) -> Path:
+    """Write self-distillation shards for `count` of `prompts` (dicts as jspec.jsonl reads them)."""
+    from tqdm import tqdm
+
+    if count < 1 or max_new_tokens < 1 or top_k < 1 or shard_size < 1 or batch_size < 1:
+        raise JspecError("count, max-new-tokens, top-k, shard-size and batch-size must all be >= 1")
+    out = Path(out)
+    meta = {"format": FORMAT, "model": lm.name, "count": count, "max_prompt_tokens": max_prompt_tokens,
+            "max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
+            "shard_size": shard_size, "seed": seed}
+    _check_or_write_meta(out, meta)
+    chosen = _choose(lm, prompts, count, max_prompt_tokens, seed)
+    shards = [chosen[i:i + shard_size] for i in range(0, len(chosen), shard_size)]
+    todo = [i for i in range(len(shards)) if not _shard_path(out, i).exists()]
+    teacher = functools.partial(_teacher_top_k, cfg=lm.cfg, answer=max_new_tokens, k=top_k)
+    teacher = jax.jit(teacher)
+    with tqdm(total=len(chosen), initial=len(chosen) - sum(len(shards[i]) for i in todo), unit="prompt",
+              disable=not progress, dynamic_ncols=True) as bar:
+        for i in todo:
+            _write_shard(lm, shards[i], out, i, teacher, max_prompt_tokens, max_new_tokens, temperature,
+                         batch_size, seed)
+            bar.update(len(shards[i]))
+    return out
+
+
+def _check_or_write_meta(out: Path, meta: dict) -> None:
+    path = out / "meta.json"
+    if path.exists():
+        old = json.loads(path.read_text())
+        if old != meta:
+            changed = ", ".join(f"{k} {old.get(k)!r} -> {v!r}" for k, v in meta.items() if old.get(k) != v)
+            raise JspecError(f"{out} holds data made with other settings ({changed}); use another folder")
+        return
+    if out.exists() and any(out.iterdir()):
+        raise JspecError(f"{out} exists, is not empty and holds no distillation data")
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def _choose(lm, prompts, count, max_prompt_tokens, seed):
+    order = list(range(len(prompts)))
+    random.Random(seed).shuffle(order)
+    chosen = []
+    for i in order:
+        [req] = lm.requests([prompts[i]], start=i)
+        if len(req.token_ids) <= max_prompt_tokens:
+            chosen.append(req)
+            if len(chosen) == count:
+                break
+    if not chosen:
+        raise JspecError(f"no prompt fits in {max_prompt_tokens} tokens")
+    return chosen
+
+
+def _shard_path(out: Path, i: int) -> Path:
+    return out / f"shard-{i:05d}.npz"
+
+
+def _write_shard(lm, requests, out, index, teacher, max_prompt, max_new, temperature, batch_size, seed):
+    # Similar lengths batch together: less padding in the answers' prefill.
+    requests = sorted(requests, key=lambda r: len(r.token_ids))
+    records = list(lm.stream(requests, "ar", max_new_tokens=max_new, batch_size=batch_size,
+                             temperature=temperature, seed=seed))
+    n, length = len(requests), max_prompt + max_new
+    tokens = np.zeros((n, length), np.int32)
+    prompt_lens = np.array([len(r.token_ids) for r in requests], np.int32)
+    answer_lens = np.array([rec["new_tokens"] for rec in records], np.int32)
+    for row, (r, rec) in enumerate(zip(requests, records)):
+        seq = r.token_ids + rec["token_ids"]
+        tokens[row, :len(seq)] = seq
+    ids, logp = [], []
+    for start in range(0, n, batch_size):
+        rows = slice(start, start + batch_size)
+        t, p = _pad_rows(tokens[rows], batch_size), _pad_rows(prompt_lens[rows], batch_size)
+        i, lp = jax.device_get(teacher(lm.params, jnp.asarray(t), jnp.asarray(p)))
+        ids.append(i[:len(tokens[rows])])
+        logp.append(lp[:len(tokens[rows])])
+    path = _shard_path(out, index)
+    tmp = path.with_name(path.stem + ".tmp.npz")
+    np.savez(tmp, tokens=tokens, prompt_lens=prompt_lens, answer_lens=answer_lens,
+             top_ids=np.concatenate(ids), top_logp=np.concatenate(logp))
+    tmp.rename(path)
+
+
+def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
+    return np.concatenate([x, np.repeat(x[:1], rows - len(x), axis=0)]) if len(x) < rows else x
+
+
+def _teacher_top_k(params, tokens, prompt_lens, *, cfg, answer: int, k: int):
+    """Top-k log-probs of the target's next-token distribution at each answer position [B, A, k]."""
+    b, length = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
+    h, _ = M.forward(params, cfg, tokens, positions, M.KVCache.zeros(cfg, b, length, params["embed"].dtype))
+    at = jnp.minimum(prompt_lens[:, None] - 1 + jnp.arange(answer)[None], length - 1)  # [B, A]
+    h = jnp.take_along_axis(h, at[:, :, None], axis=1)
+    logp = jax.nn.log_softmax(M.logits(params, cfg, h), axis=-1)
+    top_logp, top_ids = jax.lax.top_k(logp, k)
+    return top_ids.astype(jnp.int32), top_logp
+
+
+def load(path: str | os.PathLike) -> tuple[dict, dict]:
+    """(meta, arrays concatenated over all shards) of a distillation folder."""
+    path = Path(path)
+    if not (path / "meta.json").is_file():
+        raise JspecError(f"{path} holds no distillation data (no meta.json); run jspec distill-data first")
+    meta = json.loads((path / "meta.json").read_text())
+    files = sorted(path.glob("shard-*[0-9].npz"))
+    if not files:
+        raise JspecError(f"{path} has no shards yet; run jspec distill-data first")
+    parts = [dict(np.load(f)) for f in files]
+    return meta, {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}

@@ -1,0 +1,257 @@
+"""Train a draft head (jspec.heads) by self-distillation from the target's own distributions.
+
+The target is frozen: its first N layers turn each training sequence (prompt + the target's own
+answer) into layer-N states (computed once, before the first step), the head maps them to draft logits over its draft vocabulary, and
+the loss is the soft cross-entropy to the target's top-k next-token distribution (KL up to the
+teacher's constant entropy), renormalised over the draft vocabulary, plus optionally
+`ce_weight` x cross-entropy on the answer tokens. Only answer positions count: that is where a
+head drafts.
+
+Optimiser: AdamW with linear warmup, cosine decay to a tenth and global-norm clipping (optax).
+Held-out sequences (`eval_fraction`, chosen by seed) give top-1 agreement with the target and
+the expected acceptance sum_x min(p(x), q(x)) of one drafted token.
+
+Checkpoints (orbax) go to OUT.train/ every `save_every` steps and when interrupted; rerunning
+the same command resumes from the latest one. The batch of step s depends only on s and the
+seed, so a resumed run computes what an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jspec import heads
+from jspec import model as M
+from jspec.errors import JspecError
+from jspec.training import distill
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    kind: str = "eesd"
+    exit_layer: int = 6
+    steps: int = 600
+    batch_size: int = 8
+    lr: float = 1e-3
+    warmup: int = 30
+    weight_decay: float = 0.01
+    clip: float = 1.0
+    ce_weight: float = 0.0
+    draft_vocab: int = 8192
+    eval_fraction: float = 0.05
+    save_every: int = 100
+    seed: int = 0
+
+    def check(self) -> None:
+        if self.kind not in heads.KINDS:
+            raise JspecError(f"unknown head kind {self.kind!r}; choose one of {', '.join(heads.KINDS)}")
+        for name in ("steps", "batch_size", "save_every"):
+            if getattr(self, name) < 1:
+                raise JspecError(f"--{name.replace('_', '-')} must be >= 1")
+        if not 0 < self.eval_fraction < 1:
+            raise JspecError("--eval-fraction must be between 0 and 1")
+        if self.lr <= 0 or self.clip <= 0 or self.warmup < 0 or self.draft_vocab < 0 or self.ce_weight < 0:
+            raise JspecError("--lr and --clip must be > 0; --warmup, --draft-vocab and --ce-weight >= 0")
+
+
+def draft_vocabulary(tokens, prompt_lens, answer_lens, vocab_size: int, size: int) -> np.ndarray:
+    """The `size` most frequent answer tokens (all tokens if size is 0 or covers them), ascending."""
+    if size == 0 or size >= vocab_size:
+        return np.arange(vocab_size, dtype=np.int32)
+    counts = np.zeros(vocab_size, np.int64)
+    for row, p, a in zip(tokens, prompt_lens, answer_lens):
+        np.add.at(counts, row[p:p + a], 1)
+    return np.sort(np.argsort(-counts, kind="stable")[:size]).astype(np.int32)
+
+
+def _prepare(data: dict, vocab: np.ndarray, vocab_size: int) -> dict:
+    """Training arrays with teacher ids mapped into the draft vocabulary (-1 outside it)."""
+    index = np.full(vocab_size, -1, np.int32)
+    index[vocab] = np.arange(len(vocab), dtype=np.int32)
+    answer = data["top_ids"].shape[1]
+    at = np.minimum(data["prompt_lens"][:, None] + np.arange(answer)[None], data["tokens"].shape[1] - 1)
+    return {"prompt_lens": data["prompt_lens"], "answer_lens": data["answer_lens"],
+            "top_sub": index[data["top_ids"]], "top_ids": data["top_ids"], "top_logp": data["top_logp"],
+            "gen_sub": index[np.take_along_axis(data["tokens"], at, axis=1)]}
+
+
+def exit_states(params, cfg, exit_layer: int, tokens: np.ndarray, batch_size: int) -> np.ndarray:
+    """The frozen target's layer-N hidden states of every sequence [N, L, D], computed once: the
+    head trains for many epochs on them, and they are most of a step's work otherwise."""
+    @jax.jit
+    def run(tokens):
+        b, length = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
+        cache = M.KVCache.zeros(cfg, b, length, params["embed"].dtype)
+        h, _ = M.run_layers(params, cfg, M.embed(params, tokens), positions, cache, range(exit_layer))
+        return h.astype(jnp.float32)
+
+    out = []
+    for start in range(0, len(tokens), batch_size):
+        chunk = tokens[start:start + batch_size]
+        padded = np.concatenate([chunk, np.repeat(chunk[:1], batch_size - len(chunk), axis=0)])
+        out.append(np.asarray(run(jnp.asarray(padded)))[:len(chunk)])
+    return np.concatenate(out)
+
+
+def _forward(trainable, frozen, cfg, batch):
+    """Draft log-probs over the draft vocabulary at the answer positions [B, A, M]."""
+    h, prompt_lens = batch["hidden"], batch["prompt_lens"]
+    b, length = h.shape[:2]
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
+    hp = {**trainable, "vocab": frozen["vocab"]}
+    x, _ = heads.block(cfg, hp, h, positions, heads.empty_kv(cfg, b, length, jnp.float32))
+    answer = batch["top_logp"].shape[1]
+    at = jnp.minimum(prompt_lens[:, None] - 1 + jnp.arange(answer)[None], length - 1)
+    x = jnp.take_along_axis(x, at[:, :, None], axis=1)
+    return jax.nn.log_softmax(x @ frozen["lm_head"], axis=-1)
+
+
+def _losses(logq, batch, ce_weight: float):
+    """Per-batch mean loss and metrics over valid answer positions."""
+    valid = jnp.arange(logq.shape[1])[None] < batch["answer_lens"][:, None]  # [B, A]
+    p = jnp.exp(batch["top_logp"])  # [B, A, k] true probabilities of the teacher's top k
+    in_sub = batch["top_sub"] >= 0
+    logq_k = jnp.take_along_axis(logq, jnp.maximum(batch["top_sub"], 0), axis=-1)
+    p_sub = jnp.where(in_sub, p, 0.0)
+    soft_ce = -jnp.sum(p_sub / jnp.maximum(p_sub.sum(-1, keepdims=True), 1e-9) * logq_k, axis=-1)
+    gen = batch["gen_sub"]
+    ce = jnp.where(gen >= 0, -jnp.take_along_axis(logq, jnp.maximum(gen, 0)[..., None], axis=-1)[..., 0], 0.0)
+    per_pos = soft_ce + ce_weight * ce
+    top1 = jnp.argmax(logq, axis=-1)
+    agree = (top1 == batch["top_sub"][..., 0]) & in_sub[..., 0]
+    accept = jnp.sum(jnp.minimum(p, jnp.where(in_sub, jnp.exp(logq_k), 0.0)), axis=-1)
+    n = jnp.maximum(valid.sum(), 1)
+    mean = lambda x: jnp.sum(jnp.where(valid, x, 0.0)) / n
+    return mean(per_pos), {"loss": mean(per_pos), "agreement": mean(agree.astype(jnp.float32)),
+                           "expected_acceptance": mean(accept), "vocab_coverage": mean(in_sub[..., 0].astype(jnp.float32)),
+                           "positions": valid.sum()}
+
+
+def train(lm, data_dir, out, recipe: Recipe, progress: bool = True, on_step=None) -> tuple[Path, dict]:
+    """Train a head on `lm` (jspec.api.Model) from a distill-data folder; save it to `out`.
+
+    `on_step(step, metrics)` runs after each step (tests interrupt training through it).
+    Returns (the head folder, the summary written into its head.json).
+    """
+    from tqdm import tqdm
+    import orbax.checkpoint as ocp
+
+    recipe.check()
+    cfg, params = lm.cfg, lm.params
+    if not 1 <= recipe.exit_layer < cfg.num_layers:
+        raise JspecError(f"--exit-layer must be between 1 and {cfg.num_layers - 1}, got {recipe.exit_layer}")
+    data_meta, data = distill.load(data_dir)
+    if data["top_ids"].max() >= cfg.vocab_size:
+        raise JspecError(f"{data_dir} was made with another model's vocabulary")
+    n = len(data["tokens"])
+    order = np.random.default_rng(recipe.seed).permutation(n)
+    n_eval = max(1, round(n * recipe.eval_fraction))
+    if n - n_eval < recipe.batch_size:
+        raise JspecError(f"{data_dir} has {n} sequences: too few for a batch of {recipe.batch_size} "
+                         f"plus {n_eval} held out")
+    eval_rows, train_rows = np.sort(order[:n_eval]), order[n_eval:]
+    vocab = draft_vocabulary(data["tokens"][train_rows], data["prompt_lens"][train_rows],
+                             data["answer_lens"][train_rows], cfg.vocab_size, recipe.draft_vocab)
+    arrays = _prepare(data, vocab, cfg.vocab_size)
+    arrays["hidden"] = exit_states(params, cfg, recipe.exit_layer, data["tokens"], 2 * recipe.batch_size)
+    hp = heads.init(params, cfg, recipe.kind, recipe.exit_layer, vocab)
+    frozen = {"vocab": hp["vocab"], "lm_head": heads.draft_params(params, hp)["lm_head"].astype(jnp.float32)}
+    trainable = {"layer": hp["layer"], "norm": hp["norm"]}
+
+    schedule = optax.warmup_cosine_decay_schedule(0.0, recipe.lr, recipe.warmup, max(recipe.steps, recipe.warmup + 1),
+                                                  end_value=recipe.lr / 10)
+    opt = optax.chain(optax.clip_by_global_norm(recipe.clip),
+                      optax.adamw(schedule, weight_decay=recipe.weight_decay))
+
+    def loss_fn(tr, batch):
+        return _losses(_forward(tr, frozen, cfg, batch), batch, recipe.ce_weight)
+
+    @jax.jit
+    def step_fn(tr, opt_state, batch):
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(tr, batch)
+        updates, opt_state = opt.update(grads, opt_state, tr)
+        return optax.apply_updates(tr, updates), opt_state, metrics
+
+    evaluate = jax.jit(lambda tr, batch: loss_fn(tr, batch)[1])
+
+    ckpt_dir = Path(str(Path(out).absolute()) + ".train")
+    state = {"params": trainable, "opt_state": opt.init(trainable)}
+    manager = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(max_to_keep=2))
+    info_path = ckpt_dir / "recipe.json"
+    info = {"recipe": dataclasses.asdict(recipe), "data": str(Path(data_dir).absolute()), "sequences": n}
+    start, wall = 0, 0.0
+    if manager.latest_step() is not None:
+        saved = json.loads(info_path.read_text()) if info_path.exists() else {}
+        if saved.get("recipe") != info["recipe"] or saved.get("data") != info["data"]:
+            raise JspecError(f"{ckpt_dir} holds a run with other settings; remove it or use another --out")
+        start = manager.latest_step()
+        state = manager.restore(start, args=ocp.args.StandardRestore(state))
+        wall = saved.get("wall_seconds", 0.0)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+
+    def save(step: int, seconds: float) -> None:
+        manager.save(step, args=ocp.args.StandardSave(state), force=True)
+        manager.wait_until_finished()
+        info_path.write_text(json.dumps({**info, "wall_seconds": seconds}))
+
+    per_epoch = len(train_rows) // recipe.batch_size
+
+    def batch_at(step: int) -> dict:
+        epoch, i = divmod(step, per_epoch)
+        perm = np.random.default_rng([recipe.seed, epoch]).permutation(train_rows)
+        rows = perm[i * recipe.batch_size:(i + 1) * recipe.batch_size]
+        return {k: jnp.asarray(v[rows]) for k, v in arrays.items()}
+
+    t0, step = time.perf_counter(), start
+    try:
+        with tqdm(total=recipe.steps, initial=start, unit="step", disable=not progress, dynamic_ncols=True) as bar:
+            while step < recipe.steps:
+                state["params"], state["opt_state"], metrics = step_fn(state["params"], state["opt_state"],
+                                                                       batch_at(step))
+                step += 1
+                if on_step is not None:
+                    on_step(step, metrics)
+                if step % 10 == 0 or step == recipe.steps:
+                    bar.set_postfix(loss=f"{float(metrics['loss']):.3f}", agree=f"{float(metrics['agreement']):.3f}")
+                bar.update(1)
+                if step % recipe.save_every == 0 or step == recipe.steps:
+                    save(step, wall + time.perf_counter() - t0)
+    except KeyboardInterrupt:
+        if step > (manager.latest_step() or 0):
+            save(step, wall + time.perf_counter() - t0)
+        raise
+    wall += time.perf_counter() - t0
+
+    held_out = _evaluate(evaluate, state["params"], arrays, eval_rows, recipe.batch_size)
+    summary = {"steps": recipe.steps, "wall_seconds": round(wall, 1), "train_sequences": len(train_rows),
+               "held_out_sequences": len(eval_rows), **{k: round(v, 4) for k, v in held_out.items()},
+               "recipe": dataclasses.asdict(recipe), "data": {"path": str(data_dir), **data_meta}}
+    meta = {"kind": recipe.kind, "exit_layer": recipe.exit_layer, "model": heads.fingerprint(cfg),
+            "model_name": lm.name, "draft_vocab": int(len(vocab)), "training": summary}
+    path = heads.save(out, {**state["params"], "vocab": hp["vocab"]}, meta)
+    return path, summary
+
+
+def _evaluate(evaluate, tr, arrays: dict, rows: np.ndarray, batch_size: int) -> dict:
+    """Position-weighted held-out metrics."""
+    totals, count = {"loss": 0.0, "agreement": 0.0, "expected_acceptance": 0.0, "vocab_coverage": 0.0}, 0
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start:start + batch_size]
+        padded = np.concatenate([chunk, np.repeat(chunk[:1], batch_size - len(chunk))])
+        batch = {k: jnp.asarray(v[padded]) for k, v in arrays.items()}
+        batch["answer_lens"] = batch["answer_lens"].at[len(chunk):].set(0)  # padding rows do not count
+        m = jax.device_get(evaluate(tr, batch))
+        positions = int(m["positions"])
+        for k in totals:
+            totals[k] += float(m[k]) * positions
+        count += positions
+    return {k: v / max(count, 1) for k, v in totals.items()}

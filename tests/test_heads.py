@@ -1,0 +1,199 @@
+"""Draft heads: self-distillation data, training (loss goes down, checkpoints, resume), saving and
+loading (bit-identical, wrong models refused), the eesd / kangaroo methods on the default model.
+
+Losslessness of eesd and kangaroo on tiny models (greedy at batch 1 and 4, and sampling) is in
+test_spec.py with the other drafters.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from jspec import heads
+from jspec.api import Model
+from jspec.cli import main
+from jspec.errors import JspecError
+from jspec.training import distill, train
+
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_llama) -> Model:
+    return tiny_llama.jspec_model(eos_token_ids=())
+
+
+def token_prompts(n: int, vocab: int, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [{"id": i, "token_ids": rng.integers(3, vocab, rng.integers(4, 20)).tolist()} for i in range(n)]
+
+
+def make_data(lm, folder, count=24, **kw):
+    opts = dict(count=count, max_prompt_tokens=24, max_new_tokens=NEW, top_k=8, shard_size=8, batch_size=8,
+                progress=False)
+    return distill.make(lm, token_prompts(40, lm.cfg.vocab_size), folder, **{**opts, **kw})
+
+
+@pytest.fixture(scope="module")
+def data(lm, tmp_path_factory):
+    return make_data(lm, tmp_path_factory.mktemp("distill") / "data")
+
+
+RECIPE = train.Recipe(kind="eesd", exit_layer=1, steps=30, batch_size=4, lr=3e-3, warmup=3, draft_vocab=128,
+                      eval_fraction=0.2, save_every=10)
+
+
+def test_distill_data_is_the_models_own_greedy_answer(lm, data):
+    meta, d = distill.load(data)
+    assert meta["count"] == 24 and len(d["tokens"]) == 24
+    assert d["top_ids"].shape == (24, NEW, 8) and d["top_logp"].shape == (24, NEW, 8)
+    assert (np.diff(d["top_logp"], axis=-1) <= 0).all() and (np.exp(d["top_logp"]).sum(-1) <= 1 + 1e-5).all()
+    prompts = {tuple(p["token_ids"]) for p in token_prompts(40, lm.cfg.vocab_size)}
+    for row, p, a, top in zip(d["tokens"], d["prompt_lens"], d["answer_lens"], d["top_ids"]):
+        assert tuple(row[:p]) in prompts and a == NEW  # no EOS ids: full answers
+        [ref] = lm.generate([{"token_ids": row[:p].tolist()}], max_new_tokens=NEW)
+        assert row[p:p + a].tolist() == ref["token_ids"]
+        assert top[:a, 0].tolist() == ref["token_ids"]  # the teacher's top-1 is the greedy answer
+
+
+def test_distill_data_resumes_missing_shards(lm, data, tmp_path):
+    folder = tmp_path / "data"
+    make_data(lm, folder)
+    shards = sorted(folder.glob("shard-*.npz"))
+    assert len(shards) == 3
+    kept = shards[0].stat().st_mtime_ns
+    shards[1].unlink()  # as if interrupted while writing the second shard
+    make_data(lm, folder)
+    assert shards[0].stat().st_mtime_ns == kept  # not redone
+    _, resumed = distill.load(folder)
+    _, reference = distill.load(data)
+    for name in reference:
+        np.testing.assert_array_equal(resumed[name], reference[name])
+    with pytest.raises(JspecError, match="other settings"):
+        make_data(lm, folder, max_new_tokens=NEW + 1)
+
+
+@pytest.mark.parametrize("kind", heads.KINDS)
+def test_training_lowers_the_loss(lm, data, tmp_path, kind):
+    losses = []
+    path, summary = train.train(lm, data, tmp_path / "head", train.Recipe(**{**RECIPE.__dict__, "kind": kind}),
+                                progress=False, on_step=lambda step, m: losses.append(float(m["loss"])))
+    assert len(losses) == RECIPE.steps
+    assert np.mean(losses[-5:]) < 0.9 * np.mean(losses[:5])
+    assert 0 < summary["agreement"] <= 1 and 0 < summary["expected_acceptance"] <= 1
+    meta = heads.read_meta(path)
+    assert (meta["kind"], meta["exit_layer"], meta["draft_vocab"]) == (kind, 1, 128)
+    hp, _ = heads.load(path, lm.cfg)
+    assert ("w_down" in hp["layer"]) == (kind == "eesd")
+    assert hp["vocab"].shape == (128,) and (np.diff(np.asarray(hp["vocab"])) > 0).all()
+
+
+def test_saved_head_restores_bit_identically(lm, tmp_path):
+    hp = heads.init(lm.params, lm.cfg, "eesd", 2, np.arange(7, 60, dtype=np.int32))
+    hp = jax.tree.map(lambda x: x + 1e-3 * np.random.default_rng(0).standard_normal(x.shape).astype(x.dtype)
+                      if x.dtype != np.int32 else x, hp)
+    path = heads.save(tmp_path / "h", hp, {"kind": "eesd", "exit_layer": 2, "model": heads.fingerprint(lm.cfg)})
+    restored, meta = heads.load(path, lm.cfg)
+    assert jax.tree.structure(restored) == jax.tree.structure(hp)
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(hp)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_resume_after_interrupt_continues_from_last_checkpoint(lm, data, tmp_path):
+    recipe = train.Recipe(**{**RECIPE.__dict__, "steps": 12, "save_every": 4})
+    ref_path, _ = train.train(lm, data, tmp_path / "ref", recipe, progress=False)
+
+    def interrupt(step, metrics):
+        if step == 6:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train.train(lm, data, tmp_path / "head", recipe, progress=False, on_step=interrupt)
+    ckpt = tmp_path / "head.train"
+    assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [4, 6]  # every 4, and on interrupt
+    assert not (tmp_path / "head").exists()
+    steps = []
+    path, _ = train.train(lm, data, tmp_path / "head", recipe, progress=False,
+                          on_step=lambda step, m: steps.append(step))
+    assert steps == list(range(7, 13))  # went on from step 6
+    resumed, _ = heads.load(path, lm.cfg)
+    reference, _ = heads.load(ref_path, lm.cfg)
+    for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(reference)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_head_for_another_model_is_refused(lm, make_tiny, tmp_path):
+    hp = heads.init(lm.params, lm.cfg, "kangaroo", 1, np.arange(lm.cfg.vocab_size, dtype=np.int32))
+    path = heads.save(tmp_path / "h", hp, {"kind": "kangaroo", "exit_layer": 1, "model": heads.fingerprint(lm.cfg)})
+    for change, what in [(dict(hidden_size=32), "hidden_size 64"), (dict(vocab_size=300), "vocab_size 256"),
+                         (dict(num_hidden_layers=2), "num_layers 3")]:
+        other = make_tiny("llama", **change).jspec_model()
+        with pytest.raises(JspecError, match=f"another model: .*{what}"):
+            other.generate([{"token_ids": [5, 6, 7]}], method="kangaroo", head=str(path), max_new_tokens=2)
+    with pytest.raises(JspecError, match="kangaroo head, not a eesd head"):
+        lm.generate([{"token_ids": [5, 6, 7]}], method="eesd", head=str(path), max_new_tokens=2)
+    with pytest.raises(JspecError, match="needs --head"):
+        lm.generate([{"token_ids": [5, 6, 7]}], method="eesd", max_new_tokens=2)
+    with pytest.raises(JspecError, match="--head goes with"):
+        lm.generate([{"token_ids": [5, 6, 7]}], method="ngram", head=str(path), max_new_tokens=2)
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    bench = tmp_path / "spec_bench.jsonl"
+    bench.write_text('{"prompt": "x"}\n')
+    for argv, message in [
+        (["distill-data", "--prompts", str(bench), "--out", str(tmp_path / "d")], "evaluation set"),
+        (["train-head", "--kind", "eesd", "--exit-layer", "4", "--data", str(tmp_path / "none"),
+          "--out", str(tmp_path / "h"), "--model", "/no/such/model"], "holds no distillation data"),
+        (["train-head", "--kind", "medusa", "--exit-layer", "4", "--data", "d", "--out", "h"], "invalid choice"),
+        (["train-head", "--kind", "eesd", "--exit-layer", "4", "--data", "d", "--out", "h", "--steps", "0"],
+         "--steps must be >= 1"),
+    ]:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and err.startswith("jspec: error:")
+        assert __import__("re").search(message, err), err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", heads.KINDS)
+def test_shipped_heads_are_lossless_on_the_default_model(default_model, method):
+    """The heads in checkpoints/ load by default and give ar's tokens (batch 1 and 2), drafting well."""
+    from jspec.methods import shipped_head
+
+    assert shipped_head(default_model, method) is not None, "no shipped head in checkpoints/"
+    meta = json.loads((shipped_head(default_model, method) / "head.json").read_text())
+    assert meta["kind"] == method and meta["model"] == heads.fingerprint(default_model.cfg)
+    prompts = ["Write a haiku about the sea.", "What is 12 times 7? Explain."]
+    ar = default_model.generate(prompts, max_new_tokens=48)
+    for batch in (1, 2):
+        out = default_model.generate(prompts, method=method, max_new_tokens=48, batch_size=batch)
+        assert [r["token_ids"] for r in out] == [r["token_ids"] for r in ar]
+        assert sum(r["stats"]["accepted"] for r in out) > 0.3 * sum(r["stats"]["drafted"] for r in out)
+
+
+@pytest.mark.slow
+def test_cli_distill_train_generate_on_the_default_model(default_model, tmp_path, capsys):
+    """The whole path from the command line: distill-data, train-head, generate with the head."""
+    prompts = tmp_path / "train.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in
+                               enumerate(["Say hi.", "Count to three.", "Name a colour."])))
+    data, head = tmp_path / "data", tmp_path / "head"
+    assert main(["distill-data", "--prompts", str(prompts), "--out", str(data), "--count", "3",
+                 "--max-new-tokens", "8", "--max-prompt-tokens", "64", "--batch-size", "4",
+                 "--shard-size", "2"]) == 0
+    assert len(list(data.glob("shard-*.npz"))) == 2
+    assert main(["train-head", "--kind", "kangaroo", "--exit-layer", "2", "--data", str(data), "--out", str(head),
+                 "--steps", "2", "--batch-size", "2", "--eval-fraction", "0.34", "--draft-vocab", "512"]) == 0
+    assert heads.read_meta(head)["draft_vocab"] == 512
+    capsys.readouterr()
+    assert main(["generate", "Name three primes.", "--max-new-tokens", "12"]) == 0
+    ar = capsys.readouterr().out
+    assert main(["generate", "Name three primes.", "--max-new-tokens", "12", "--method", "kangaroo",
+                 "--head", str(head)]) == 0
+    assert capsys.readouterr().out == ar

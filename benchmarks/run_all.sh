@@ -17,3 +17,15 @@ jspec bench \
     --hf --hf-assisted \
     --output benchmarks/results.jsonl --resume \
     --markdown docs/benchmarks.md --plots docs/img
+
+# Trained heads (issue: EESD and Kangaroo): Spec-Bench, first question of each category, 128 new
+# tokens, batch 1 and 8; the shipped heads with their defaults (K = 1 on a CPU), the EESD head
+# at K = 4 under the thompson, fixed and confidence controllers, HF generate as the peer. Its own results file and
+# report section ("heads"); benchmarks/ship_head.py writes the heads' cards from these rows.
+jspec bench \
+    --methods "ar,eesd,kangaroo,eesd:max_draft=4,eesd:max_draft=4;controller=fixed,eesd:max_draft=4;controller=confidence" \
+    --prompts ../shared/data/spec_bench.jsonl --limit 1 \
+    --max-new-tokens 128 --batch-size 1 --batch-sizes 1,8 --batch-methods ar,eesd,kangaroo \
+    --hf \
+    --output benchmarks/results_heads.jsonl --resume \
+    --markdown docs/benchmarks.md --section heads --plots docs/img/heads

@@ -280,7 +280,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--output", required=True, metavar="OUT.jsonl", help="results, one row per method x prompt x batch")
     o.add_argument("--resume", action="store_true", help="keep the rows of OUT (or OUT.partial); run only the rest")
     o.add_argument("--markdown", default=None, metavar="FILE.md",
-                   help="write the report between <!-- bench:begin --> and <!-- bench:end --> in FILE.md")
+                   help="write the report between <!-- SECTION:begin --> and <!-- SECTION:end --> in FILE.md")
+    o.add_argument("--section", default="bench", metavar="SECTION",
+                   help="which marked section of FILE.md the report replaces (default: %(default)s)")
     o.add_argument("--plots", default=None, metavar="DIR", help="PNG plots (default: img/ next to --markdown)")
     add_model_options(p)
     p.set_defaults(bench_options=[(a.dest, a.option_strings[0], a.default, a.nargs == 0)
@@ -302,6 +304,8 @@ def main(args) -> int:
     from jspec.cli import load_model
 
     specs = parse_methods(args.methods)
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", args.section):
+        raise JspecError(f"--section takes letters, digits, - and _, got {args.section!r}")
     sizes = [args.batch_size] + [b for b in parse_batch_sizes(args.batch_sizes) if b != args.batch_size]
     batch_labels = {s.label for s in specs} if args.batch_methods is None else \
         {"ar"} | {s.label for s in parse_methods(args.batch_methods)}
@@ -356,7 +360,7 @@ def main(args) -> int:
     print(report.console())
     if args.markdown:
         plots = Path(args.plots) if args.plots else Path(args.markdown).parent / "img"
-        report.write_markdown(args.markdown, plots)
+        report.write_markdown(args.markdown, plots, args.section)
         print(f"[report in {args.markdown}, plots in {plots}]", file=sys.stderr)
     elif args.plots:
         report.plot(Path(args.plots))

@@ -15,7 +15,9 @@ import platform
 import statistics
 from pathlib import Path
 
-BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+def markers(section: str) -> tuple[str, str]:
+    """The comments that delimit a report section in a Markdown file."""
+    return f"<!-- {section}:begin -->", f"<!-- {section}:end -->"
 INTRO = ("# Benchmarks\n\nMeasured with `jspec bench` (see `benchmarks/README.md`; `benchmarks/run_all.sh` "
          "regenerates this page). The section between the bench markers is rewritten on each run; "
          "text outside it is kept.\n\n")
@@ -173,9 +175,11 @@ class Report:
             parts.append(self.batch_table())
         return "\n\n".join(parts)
 
-    def markdown(self, image_dir: str | None) -> str:
+    def markdown(self, image_dir: str | None, section: str = "bench") -> str:
         b = self.main
-        out = [BEGIN, "", "## Results", "", self.setup(), "", f"### Overall (batch {b})", "", self.overall_table(), "",
+        begin, end = markers(section)
+        title = "Results" if section == "bench" else f"Results: {section}"
+        out = [begin, "", f"## {title}", "", self.setup(), "", f"### Overall (batch {b})", "", self.overall_table(), "",
                "tokens/s: mean over questions of new tokens / seconds (prefill included, compilation excluded). "
                "Speedups: ratio of mean tokens/s on the same questions, same run. Mean accepted tokens per "
                "target forward counts the bonus token (ar = 1.00). Mismatches: prompts whose tokens differ "
@@ -191,17 +195,18 @@ class Report:
             out += [f"![speedup by category]({image_dir}/{SPEEDUP_PNG})", ""]
             if len(self.sizes) > 1:
                 out += [f"![throughput vs batch size]({image_dir}/{THROUGHPUT_PNG})", ""]
-        return "\n".join(out + [END])
+        return "\n".join(out + [end])
 
-    def write_markdown(self, path, plots: Path) -> None:
+    def write_markdown(self, path, plots: Path, section: str = "bench") -> None:
         path = Path(path)
         self.plot(plots)
         rel = os.path.relpath(plots.resolve(), path.resolve().parent).replace(os.sep, "/")
-        block = self.markdown(rel)
+        block = self.markdown(rel, section)
         text = path.read_text(encoding="utf-8") if path.exists() else INTRO
-        i, j = text.find(BEGIN), text.find(END)
+        begin, end = markers(section)
+        i, j = text.find(begin), text.find(end)
         if 0 <= i < j:
-            text = text[:i] + block + text[j + len(END):]
+            text = text[:i] + block + text[j + len(end):]
         else:
             text = text.rstrip("\n") + "\n\n" + block + "\n"
         path.parent.mkdir(parents=True, exist_ok=True)

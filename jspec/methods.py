@@ -24,11 +24,19 @@ METHODS = ("ar", "draft", "early-exit", "eesd", "kangaroo", "layer-skip", "ngram
 LOSSLESS = METHODS
 DEFAULT_CONTROLLER = {"ar": "fixed", "draft": "fixed", "early-exit": "confidence", "eesd": "thompson",
                       "kangaroo": "confidence", "layer-skip": "dv", "ngram": "fixed"}
-# K fixes the verification width (K + 1 positions every round, whatever the controller stops at).
-# On a CPU verifying 5 positions costs about 2 decode steps and 9 about 2.7
-# (benchmarks/forward_cost.py), so the trained heads, which stop adaptively anyway, default to 4.
-DEFAULT_MAX_DRAFT = {"eesd": 4, "kangaroo": 4}
 MAX_DRAFT = 8
+
+
+# K fixes the verification width (K + 1 positions every round, whatever the controller stops at).
+# On a CPU a forward over 2 positions costs 1.5 decode steps and over 3 about 1.9
+# (benchmarks/forward_cost.py), so with the trained heads' agreement (about 0.45) K = 1 is the
+# fastest there (docs/heads.md); accelerators verify a few positions for about one step's price.
+def default_max_draft(method: str) -> int:
+    if method in ("eesd", "kangaroo"):
+        return 1 if jax.default_backend() == "cpu" else 4
+    return MAX_DRAFT
+
+
 HEAD_METHODS = heads.KINDS
 # Heads trained for the default model, found here when --head is not given (see checkpoints/README.md).
 SHIPPED_HEADS = Path(__file__).resolve().parents[1] / "checkpoints"
@@ -47,7 +55,7 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
     if method not in METHODS:
         raise JspecError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     cfg = model.cfg
-    k = DEFAULT_MAX_DRAFT.get(method, MAX_DRAFT) if max_draft is None else max_draft
+    k = default_max_draft(method) if max_draft is None else max_draft
     if method != "ar" and not 1 <= k <= 64:
         raise JspecError(f"--max-draft must be between 1 and 64, got {k}")
     ctrl = make_controller(controller or DEFAULT_CONTROLLER[method], threshold=threshold,

@@ -107,13 +107,20 @@ def test_bench_end_to_end(capsys, tiny, questions, tmp_path):
     assert "| `ngram` | 3 |" in stdout and "speedup vs jspec ar" in stdout  # the table on stdout too
 
     # Resume after a finished run, adding a method: only its rows run, the others are kept as they were.
+    # Its report goes to another section of the same page (--section), leaving the first as it was.
     code, _, err = run(capsys, *common, "--methods", "ngram,early-exit:exit_layer=2,layer-skip", "--batch-sizes",
-                       "1,2", "--batch-methods", "ar", "--hf", "--resume")
+                       "1,2", "--batch-methods", "ar", "--hf", "--resume", "--markdown", md, "--section", "more",
+                       "--plots", img / "more")
     assert code == 0, err
     assert "resuming: 15 of 18 rows" in err
     again = by_key(rows_of(out))
     assert set(again) == expected | {("layer-skip", 1, i) for i in KEPT}
     assert all(again[k] == keys[k] for k in keys)  # untouched, timings included
+    two = md.read_text()
+    assert two.startswith(text.rstrip("\n")) and "<!-- more:begin -->\n\n## Results: more" in two
+    assert "| `layer-skip` | 3 |" in two.split("<!-- more:begin -->")[1]
+    assert (img / "more" / "bench_speedup_by_category.png").is_file()
+    assert main(["bench", "--methods", "ar", "--output", str(tmp_path / "x.jsonl"), "--section", "a b"]) == 2
 
     # An interrupted run (4 rows, then a torn line) resumes where it stopped.
     out2 = tmp_path / "res" / "again.jsonl"

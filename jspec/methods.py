@@ -25,6 +25,7 @@ LOSSLESS = METHODS
 DEFAULT_CONTROLLER = {"ar": "fixed", "draft": "fixed", "early-exit": "confidence", "eesd": "thompson",
                       "kangaroo": "confidence", "layer-skip": "dv", "ngram": "fixed"}
 MAX_DRAFT = 8
+HEAD_METHODS = heads.KINDS
 
 
 # K fixes the verification width (K + 1 positions every round, whatever the controller stops at).
@@ -32,12 +33,11 @@ MAX_DRAFT = 8
 # (benchmarks/forward_cost.py), so with the trained heads' agreement (about 0.45) K = 1 is the
 # fastest there (docs/heads.md); accelerators verify a few positions for about one step's price.
 def default_max_draft(method: str) -> int:
-    if method in ("eesd", "kangaroo"):
+    if method in HEAD_METHODS:
         return 1 if jax.default_backend() == "cpu" else 4
     return MAX_DRAFT
 
 
-HEAD_METHODS = heads.KINDS
 # Heads trained for the default model, found here when --head is not given (see checkpoints/README.md).
 SHIPPED_HEADS = Path(__file__).resolve().parents[1] / "checkpoints"
 DEFAULT_MODEL_KEY = "smollm2-135m-instruct"

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from jspec import model
 from jspec.config import ModelConfig
+from jspec.convert import store
 from jspec.errors import JspecError
 
 KINDS = ("eesd", "kangaroo")
@@ -102,15 +103,11 @@ def fingerprint(cfg: ModelConfig) -> dict:
 
 def save(path: str | os.PathLike, hp: dict, meta: dict) -> Path:
     """Write the head folder atomically (a temporary folder renamed into place)."""
-    import orbax.checkpoint as ocp
-
     path = Path(path).absolute()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
-        ckpt = ocp.StandardCheckpointer()
-        ckpt.save(tmp / "params", hp)
-        ckpt.wait_until_finished()
+        store.save_params(tmp / "params", hp)
         (tmp / "head.json").write_text(json.dumps({"format": FORMAT, **meta}, indent=1) + "\n")
         if path.exists():
             shutil.rmtree(path)

@@ -6,6 +6,7 @@ back to the method's defaults, which are documented in docs/methods.md.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import jax
@@ -101,6 +102,12 @@ def shipped_head(model, method: str) -> Path | None:
     return path if model.name == DEFAULT_MODEL and (path / "head.json").is_file() else None
 
 
+@functools.lru_cache(maxsize=8)
+def _read_head(path: str, stamp: int | None, cfg):
+    """heads.load, once per head folder and version: every generate call builds its method."""
+    return heads.load(path, cfg)
+
+
 def _load_head(method: str, model, head: str | None):
     path = head or shipped_head(model, method)
     if path is None:
@@ -108,7 +115,8 @@ def _load_head(method: str, model, head: str | None):
                          f"(train one with jspec train-head --kind {method})")
     if not Path(path).exists():
         raise JspecError(f"head {path} does not exist")
-    hp, meta = heads.load(path, model.cfg)
+    stamp = (Path(path) / "head.json").stat().st_mtime_ns if (Path(path) / "head.json").exists() else None
+    hp, meta = _read_head(str(Path(path).resolve()), stamp, model.cfg)
     if meta["kind"] != method:
         raise JspecError(f"head {path} is a {meta['kind']} head, not a {method} head")
     return hp, meta

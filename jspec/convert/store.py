@@ -86,7 +86,7 @@ def convert(src: str, out: str | os.PathLike, dtype: str = "float32") -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        _save_params(tmp / "params", params)
+        save_params(tmp / "params", params)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         meta = {"format": FORMAT, "config": cfg.to_json(), "dtype": dtype, "source": str(src)}
@@ -100,7 +100,8 @@ def convert(src: str, out: str | os.PathLike, dtype: str = "float32") -> Path:
     return out
 
 
-def _save_params(path: Path, params) -> None:
+def save_params(path: Path, params) -> None:
+    """Write a parameter pytree with orbax (and wait until it is on disk)."""
     import orbax.checkpoint as ocp
 
     ckpt = ocp.StandardCheckpointer()

@@ -108,7 +108,7 @@ def _write_shard(lm, requests, out, index, teacher, max_prompt, max_new, tempera
     ids, logp = [], []
     for start in range(0, n, batch_size):
         rows = slice(start, start + batch_size)
-        t, p = _pad_rows(tokens[rows], batch_size), _pad_rows(prompt_lens[rows], batch_size)
+        t, p = pad_rows(tokens[rows], batch_size), pad_rows(prompt_lens[rows], batch_size)
         i, lp = jax.device_get(teacher(lm.params, jnp.asarray(t), jnp.asarray(p)))
         ids.append(i[:len(tokens[rows])])
         logp.append(lp[:len(tokens[rows])])
@@ -119,7 +119,8 @@ def _write_shard(lm, requests, out, index, teacher, max_prompt, max_new, tempera
     tmp.rename(path)
 
 
-def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
+def pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
+    """x [n, ...] with n <= rows, filled up to `rows` by repeating its first row."""
     return np.concatenate([x, np.repeat(x[:1], rows - len(x), axis=0)]) if len(x) < rows else x
 
 

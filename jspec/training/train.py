@@ -97,8 +97,7 @@ def exit_states(params, cfg, exit_layer: int, tokens: np.ndarray, batch_size: in
     out = []
     for start in range(0, len(tokens), batch_size):
         chunk = tokens[start:start + batch_size]
-        padded = np.concatenate([chunk, np.repeat(chunk[:1], batch_size - len(chunk), axis=0)])
-        out.append(np.asarray(run(jnp.asarray(padded)))[:len(chunk)])
+        out.append(np.asarray(run(jnp.asarray(distill.pad_rows(chunk, batch_size))))[:len(chunk)])
     return np.concatenate(out)
 
 
@@ -246,8 +245,7 @@ def _evaluate(evaluate, tr, arrays: dict, rows: np.ndarray, batch_size: int) -> 
     totals, count = {"loss": 0.0, "agreement": 0.0, "expected_acceptance": 0.0, "vocab_coverage": 0.0}, 0
     for start in range(0, len(rows), batch_size):
         chunk = rows[start:start + batch_size]
-        padded = np.concatenate([chunk, np.repeat(chunk[:1], batch_size - len(chunk))])
-        batch = {k: jnp.asarray(v[padded]) for k, v in arrays.items()}
+        batch = {k: jnp.asarray(v[distill.pad_rows(chunk, batch_size)]) for k, v in arrays.items()}
         batch["answer_lens"] = batch["answer_lens"].at[len(chunk):].set(0)  # padding rows do not count
         m = jax.device_get(evaluate(tr, batch))
         positions = int(m["positions"])

@@ -54,9 +54,9 @@ def init(params, cfg: ModelConfig, kind: str, exit_layer: int, vocab: jax.Array)
             "vocab": jnp.asarray(vocab, jnp.int32)}
 
 
-def block(cfg: ModelConfig, hp: dict, h: jax.Array, positions: jax.Array, kv: dict):
+def block(cfg: ModelConfig, hp: dict, h: jax.Array, positions: jax.Array | None, kv: dict):
     """The head's layer on h [B, T, D] (layer-N states) -> (normed features [B, T, D], kv)."""
-    cos, sin = model.rope(cfg, positions)
+    cos, sin = model.rope_at(cfg, h, positions)
     h, k, v = model.attention_block(cfg, hp["layer"], h, positions, cos, sin, kv["k"], kv["v"])
     if "w_down" in hp["layer"]:
         h = model.mlp_block(cfg, hp["layer"], h)
@@ -78,8 +78,8 @@ class Head:
     """The `head` hook of the early-exit drafter (jspec.drafters.early_exit), over `dparams` made
     by `draft_params`."""
 
-    def prefill(self, dparams, cfg, h, positions, cache_len):
-        _, kv = block(cfg, dparams, h, positions, empty_kv(cfg, h.shape[0], cache_len, h.dtype))
+    def prefill(self, dparams, cfg, h, cache_len):
+        _, kv = block(cfg, dparams, h, None, empty_kv(cfg, h.shape[0], cache_len, h.dtype))
         return kv
 
     def logits(self, params, dparams, cfg, h, positions, kv):

@@ -42,6 +42,7 @@ import numpy as np
 from jspec.config import ModelConfig, rope_inv_freq
 
 Params = dict
+PREFILL_BLOCK = 64  # queries per block of prefill attention
 
 
 @jax.tree_util.register_dataclass
@@ -74,6 +75,13 @@ def rope(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.cos(angles), jnp.sin(angles)
 
 
+def rope_at(cfg: ModelConfig, h: jax.Array, positions: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """rope() for h [B, T, ...] at positions [B, T], or at 0..T-1 in every row when None (a prefill)."""
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(h.shape[1], dtype=jnp.int32), h.shape[:2])
+    return rope(cfg, positions)
+
+
 def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
@@ -93,12 +101,28 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array) -> jax
     visible = jnp.arange(k.shape[1])[None, None, :] <= q_pos[:, :, None]  # [B, T, S]
     scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bkgts,bskh->btkgh", probs, v)
+    # Heads-major output, transposed after: XLA's CPU dot writing [B, T, K, G, H] directly
+    # took a quarter longer on a long prompt.
+    return jnp.einsum("bkgts,bskh->bkgth", probs, v).transpose(0, 3, 1, 2, 4)
 
 
-def attention_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array, positions: jax.Array,
+def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """attention() for queries at positions 0..T-1 of every row. Query block i cannot see past
+    its own end, a static bound, so it reads only that prefix of the cache: a long prompt does
+    about half the work of the full causal square (and none over the cache's unused tail)."""
+    b, t = q.shape[:2]
+    out = []
+    for start in range(0, t, PREFILL_BLOCK):
+        end = min(start + PREFILL_BLOCK, t)
+        q_pos = jnp.broadcast_to(jnp.arange(start, end), (b, end - start))
+        out.append(attention(q[:, start:end], k[:, :end], v[:, :end], q_pos))
+    return jnp.concatenate(out, axis=1)
+
+
+def attention_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array, positions: jax.Array | None,
                     cos: jax.Array, sin: jax.Array, k_cache: jax.Array, v_cache: jax.Array):
-    """The attention half of a decoder block, residual included: h [B, T, D] -> h, k_cache, v_cache."""
+    """The attention half of a decoder block, residual included: h [B, T, D] -> h, k_cache, v_cache.
+    positions None is a prefill: every row's tokens sit at 0..T-1."""
     g = cfg.group_size
     x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
     qkv = x @ lp["wqkv"]
@@ -108,9 +132,14 @@ def attention_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array,
     q = _rotate(qkv[:, :, :, :g], cos[:, :, None, None], sin[:, :, None, None])
     k = _rotate(qkv[:, :, :, g], cos[:, :, None], sin[:, :, None])
     v = qkv[:, :, :, g + 1]
-    k_cache = _write(k_cache, k, positions[:, 0])
-    v_cache = _write(v_cache, v, positions[:, 0])
-    out = attention(q, k_cache, v_cache, positions)
+    if positions is None:
+        k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, 0, 0, 0))
+        v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, 0, 0, 0))
+        out = prefill_attention(q, k_cache, v_cache)
+    else:
+        k_cache = _write(k_cache, k, positions[:, 0])
+        v_cache = _write(v_cache, v, positions[:, 0])
+        out = attention(q, k_cache, v_cache, positions)
     return h + out.reshape(*out.shape[:2], -1) @ lp["wo"], k_cache, v_cache
 
 
@@ -121,7 +150,7 @@ def mlp_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array) -> ja
     return h + (jax.nn.silu(gate) * up) @ lp["w_down"]
 
 
-def decoder_layer(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array, positions: jax.Array,
+def decoder_layer(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array, positions: jax.Array | None,
                   cos: jax.Array, sin: jax.Array, k_cache: jax.Array, v_cache: jax.Array):
     """One pre-norm decoder block. h [B, T, D]; k_cache, v_cache [B, S, K, H] of this layer."""
     h, k_cache, v_cache = attention_block(cfg, lp, h, positions, cos, sin, k_cache, v_cache)
@@ -132,12 +161,13 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
     return params["embed"][tokens]
 
 
-def run_layers(params: Params, cfg: ModelConfig, h: jax.Array, positions: jax.Array, cache: KVCache,
+def run_layers(params: Params, cfg: ModelConfig, h: jax.Array, positions: jax.Array | None, cache: KVCache,
                layers: Sequence[int] | None = None):
     """Run the given layers (default: all, in order) on hidden states h [B, T, D] at positions
-    [B, T]. Layers not listed neither change h nor write the cache: a contiguous range is an early
-    exit, a range with holes is layer skipping. Returns the new h and cache."""
-    cos, sin = rope(cfg, positions)
+    [B, T], or None for a prefill (positions 0..T-1 in every row). Layers not listed neither change
+    h nor write the cache: a contiguous range is an early exit, a range with holes is layer
+    skipping. Returns the new h and cache."""
+    cos, sin = rope_at(cfg, h, positions)
     k, v = list(cache.k), list(cache.v)
     for i in range(cfg.num_layers) if layers is None else layers:
         h, k[i], v[i] = decoder_layer(cfg, params["layers"][i], h, positions, cos, sin, k[i], v[i])
@@ -150,8 +180,9 @@ def logits(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
     return jnp.dot(x, params["lm_head"], preferred_element_type=jnp.float32)
 
 
-def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, cache: KVCache):
-    """The whole model: tokens [B, T] at positions [B, T] -> hidden [B, T, D] (pre-norm), cache."""
+def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array | None, cache: KVCache):
+    """The whole model: tokens [B, T] at positions [B, T] (None: a prefill from position 0) ->
+    hidden [B, T, D] (pre-norm), cache."""
     return run_layers(params, cfg, embed(params, tokens), positions, cache)
 
 

@@ -40,13 +40,15 @@ def _logits(params, cfg, ids, positions, cache, layers):
     return model.logits(params, cfg, h), cache
 
 
-def jspec_logits(params, cfg: ModelConfig, ids: np.ndarray, layers=None, cache_len: int | None = None):
+def jspec_logits(params, cfg: ModelConfig, ids: np.ndarray, layers=None, cache_len: int | None = None,
+                 prefill: bool = False):
     """Full-sequence logits from a fresh cache; also returns the cache. (Jitted: one compile
-    is cheaper than eager mode's compile of every primitive at every new shape.)"""
+    is cheaper than eager mode's compile of every primitive at every new shape.) `prefill` takes
+    the prefill path (positions None) instead of giving every position."""
     b, t = ids.shape
     dtype = jax.tree.leaves(params)[0].dtype
     cache = model.KVCache.zeros(cfg, b, cache_len or t, dtype)
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    positions = None if prefill else jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     out, cache = _logits(params, cfg, jnp.asarray(ids), positions, cache, None if layers is None else tuple(layers))
     return np.asarray(out), cache
 
@@ -155,6 +157,20 @@ def test_incremental_decoding_equals_full_forward(make_tiny, kind):
         np.testing.assert_allclose(got[:, 0], full[np.arange(2), last], atol=ATOL, rtol=0)
         pos, checked = pos + 1, checked + 1
     assert checked == n - 14
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_prefill_attention_blocks_match_transformers(make_tiny, kind):
+    """The prefill path reads a growing prefix of the cache per query block; across two full
+    blocks and a ragged third, with an unused cache tail, it must equal HF and the general path."""
+    t = make_tiny(kind)
+    ids = tokens(2, 2 * model.PREFILL_BLOCK + 22, seed=3)
+    got, cache = jspec_logits(t.params, t.cfg, ids, cache_len=ids.shape[1] + 40, prefill=True)
+    assert_close(got, hf_logits(t.hf, ids))
+    general, general_cache = jspec_logits(t.params, t.cfg, ids, cache_len=ids.shape[1] + 40)
+    np.testing.assert_allclose(got, general, rtol=0, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(general_cache)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5)
 
 
 def test_forward_writes_cache_at_row_positions(make_tiny):

@@ -35,9 +35,7 @@ class Draft:
 
 def target_prefill(params, cfg, tokens, prompt_lens, cache):
     """Run the prompt through the target; hidden state at each row's last prompt token [B, D]."""
-    b, p = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    h, cache = model.forward(params, cfg, tokens, positions, cache)
+    h, cache = model.forward(params, cfg, tokens, None, cache)
     return last_prompt_state(h, prompt_lens), cache
 
 

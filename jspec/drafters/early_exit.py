@@ -33,13 +33,11 @@ class EarlyExit(Drafter):
         return range(self.exit_layer, cfg.num_layers)
 
     def prefill(self, params, dparams, cfg, tokens, prompt_lens, cache):
-        b, p = tokens.shape
-        positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-        h, cache = model.run_layers(params, cfg, model.embed(params, tokens), positions, cache, self._shallow(cfg))
-        dstate = {"hidden": jnp.zeros((b, self.max_draft + 1, cfg.hidden_size), h.dtype)}
+        h, cache = model.run_layers(params, cfg, model.embed(params, tokens), None, cache, self._shallow(cfg))
+        dstate = {"hidden": jnp.zeros((tokens.shape[0], self.max_draft + 1, cfg.hidden_size), h.dtype)}
         if self.head is not None:
-            dstate["head"] = self.head.prefill(dparams, cfg, h, positions, cache.length)
-        h, cache = model.run_layers(params, cfg, h, positions, cache, self._deep(cfg))
+            dstate["head"] = self.head.prefill(dparams, cfg, h, cache.length)
+        h, cache = model.run_layers(params, cfg, h, None, cache, self._deep(cfg))
         return last_prompt_state(h, prompt_lens), cache, dstate
 
     def _draft_logits(self, params, dparams, cfg, h, positions, dstate):

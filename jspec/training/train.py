@@ -88,10 +88,8 @@ def exit_states(params, cfg, exit_layer: int, tokens: np.ndarray, batch_size: in
     head trains for many epochs on them, and they are most of a step's work otherwise."""
     @jax.jit
     def run(tokens):
-        b, length = tokens.shape
-        positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
-        cache = M.KVCache.zeros(cfg, b, length, params["embed"].dtype)
-        h, _ = M.run_layers(params, cfg, M.embed(params, tokens), positions, cache, range(exit_layer))
+        cache = M.KVCache.zeros(cfg, *tokens.shape, params["embed"].dtype)
+        h, _ = M.run_layers(params, cfg, M.embed(params, tokens), None, cache, range(exit_layer))
         return h.astype(jnp.float32)
 
     out = []
@@ -105,9 +103,8 @@ def _forward(trainable, frozen, cfg, batch):
     """Draft log-probs over the draft vocabulary at the answer positions [B, A, M]."""
     h, prompt_lens = batch["hidden"], batch["prompt_lens"]
     b, length = h.shape[:2]
-    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
     hp = {**trainable, "vocab": frozen["vocab"]}
-    x, _ = heads.block(cfg, hp, h, positions, heads.empty_kv(cfg, b, length, jnp.float32))
+    x, _ = heads.block(cfg, hp, h, None, heads.empty_kv(cfg, b, length, jnp.float32))
     answer = batch["top_logp"].shape[1]
     at = jnp.minimum(prompt_lens[:, None] - 1 + jnp.arange(answer)[None], length - 1)
     x = jnp.take_along_axis(x, at[:, :, None], axis=1)

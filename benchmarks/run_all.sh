@@ -7,12 +7,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Spec-Bench, first question of each of its 13 categories, 64 new tokens, batch 1, greedy;
+# The draft model of `--method draft` (no offline model shares SmolLM2's tokenizer): the default
+# model's first 6 layers and its shipped EESD exit layer as a 7-layer model (make_draft_model.py).
+[ -d build/smollm2-135m-draft ] || python benchmarks/make_draft_model.py build/smollm2-135m-draft
+
+# Spec-Bench, first two questions of each of its 13 categories, 64 new tokens, batch 1, greedy;
 # jspec methods with their defaults (and n-gram with K=4), Hugging Face generate and its
-# assisted modes as peers; throughput of ar at batch sizes 1 and 8. About 25 minutes here.
+# assisted modes as peers; throughput of ar at batch sizes 1 and 8. About 35 minutes here.
 jspec bench \
-    --methods "ar,ngram,ngram:max_draft=4,layer-skip,early-exit" \
-    --prompts ../shared/data/spec_bench.jsonl --limit 1 \
+    --methods "ar,ngram,ngram:max_draft=4,layer-skip,early-exit,draft:draft_model=build/smollm2-135m-draft" \
+    --prompts ../shared/data/spec_bench.jsonl --limit 2 \
     --max-new-tokens 64 --batch-size 1 --batch-sizes 1,8 --batch-methods ar \
     --hf --hf-assisted \
     --output benchmarks/results.jsonl --resume \

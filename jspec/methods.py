@@ -7,6 +7,7 @@ back to the method's defaults, which are documented in docs/methods.md.
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 
 import jax
@@ -39,14 +40,28 @@ def default_max_draft(method: str) -> int:
     return MAX_DRAFT
 
 
-# Heads trained for the default model, found here when --head is not given (see checkpoints/README.md).
-SHIPPED_HEADS = Path(__file__).resolve().parents[1] / "checkpoints"
+# What ships for the default model (trained heads, the searched layer-skip set): used when no
+# --head / --skip-layers is given (see checkpoints/README.md).
+SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints"
 DEFAULT_MODEL_KEY = "smollm2-135m-instruct"
 
 
-def default_skip_layers(num_layers: int) -> tuple[int, ...]:
-    """Skip every other layer of the middle half (first and last quarter kept), SWIFT-style."""
-    return tuple(range(num_layers // 4 + 1, num_layers - num_layers // 4, 2))
+def shipped(model, name: str) -> Path | None:
+    """checkpoints/<default model>/<name>, if `model` is the default model and it is there."""
+    from jspec.convert.cache import DEFAULT_MODEL
+
+    path = SHIPPED / DEFAULT_MODEL_KEY / name
+    return path if model.name == DEFAULT_MODEL and path.exists() else None
+
+
+def default_skip_layers(model) -> tuple[int, ...]:
+    """The set searched for the default model (benchmarks/search_skip.py); for other models every
+    other layer of the middle half (first and last quarter kept), SWIFT's starting point."""
+    searched = shipped(model, "layer-skip.json")
+    if searched is not None:
+        return tuple(json.loads(searched.read_text())["skip_layers"])
+    n = model.cfg.num_layers
+    return tuple(range(n // 4 + 1, n - n // 4, 2))
 
 
 def build(method: str, model, *, max_draft: int | None = None, controller: str | None = None,
@@ -68,7 +83,7 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
     if method == "ngram":
         return NGram(max_draft=k), (), ctrl
     if method == "layer-skip":
-        skip = default_skip_layers(cfg.num_layers) if skip_layers is None else tuple(sorted(set(skip_layers)))
+        skip = default_skip_layers(model) if skip_layers is None else tuple(sorted(set(skip_layers)))
         bad = [i for i in skip if not 0 <= i < cfg.num_layers]
         if bad or len(skip) >= cfg.num_layers:
             raise JspecError(f"--skip-layers must name some (not all) of layers 0..{cfg.num_layers - 1}")
@@ -94,14 +109,6 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
     return DraftModel(draft_cfg=draft_model.cfg, max_draft=k), draft_model.params, ctrl
 
 
-def shipped_head(model, method: str) -> Path | None:
-    """The head shipped for `model` and `method`, if `model` is the default model."""
-    from jspec.convert.cache import DEFAULT_MODEL
-
-    path = SHIPPED_HEADS / DEFAULT_MODEL_KEY / method
-    return path if model.name == DEFAULT_MODEL and (path / "head.json").is_file() else None
-
-
 @functools.lru_cache(maxsize=8)
 def _read_head(path: str, stamp: int | None, cfg):
     """heads.load, once per head folder and version: every generate call builds its method."""
@@ -109,7 +116,7 @@ def _read_head(path: str, stamp: int | None, cfg):
 
 
 def _load_head(method: str, model, head: str | None):
-    path = head or shipped_head(model, method)
+    path = head or shipped(model, method)
     if path is None:
         raise JspecError(f"--method {method} needs --head PATH: heads ship only for the default model "
                          f"(train one with jspec train-head --kind {method})")

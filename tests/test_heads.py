@@ -164,10 +164,10 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
 @pytest.mark.parametrize("method", heads.KINDS)
 def test_shipped_heads_are_lossless_on_the_default_model(default_model, method):
     """The heads in checkpoints/ load by default and give ar's tokens (batch 1 and 2), drafting well."""
-    from jspec.methods import shipped_head
+    from jspec.methods import shipped
 
-    assert shipped_head(default_model, method) is not None, "no shipped head in checkpoints/"
-    meta = json.loads((shipped_head(default_model, method) / "head.json").read_text())
+    assert shipped(default_model, method) is not None, "no shipped head in checkpoints/"
+    meta = json.loads((shipped(default_model, method) / "head.json").read_text())
     assert meta["kind"] == method and meta["model"] == heads.fingerprint(default_model.cfg)
     prompts = ["Write a haiku about the sea.", "What is 12 times 7? Explain."]
     ar = default_model.generate(prompts, max_new_tokens=48)

@@ -18,6 +18,7 @@ once, seconds each on a small CPU, so the tests share one target and one set of 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import jax
@@ -27,7 +28,7 @@ import pytest
 from scipy import stats
 
 from conftest import save_source, tiny_hf_model
-from jspec import heads
+from jspec import heads, methods
 from jspec import model as jmodel
 from jspec.api import Model
 from jspec.controllers import Fixed
@@ -279,6 +280,17 @@ def run_oracle(spec: Spec, drafter: Oracle):
         table[i, :len(row)] = row
     return m._run_batch(requests, len(requests), NEW, Sampling(), jax.random.key(0),
                         (drafter, jnp.asarray(table), Fixed()))
+
+
+def test_layer_skip_default_sets(default_model, spec):
+    """The default model skips the set searched for it (shipped in checkpoints/); any other model
+    every other layer of its middle half."""
+    searched = methods.shipped(default_model, "layer-skip.json")
+    assert searched is not None, "no searched layer-skip set in checkpoints/"
+    drafter, _, _ = methods.build("layer-skip", default_model)
+    assert drafter.skip == tuple(json.loads(searched.read_text())["skip_layers"])
+    drafter, _, _ = methods.build("layer-skip", spec.target)
+    assert spec.target.cfg.num_layers == 4 and drafter.skip == (2,)
 
 
 def test_oracle_drafts_accepted_whole(spec):

@@ -83,13 +83,19 @@ def convert(src: str, out: str | os.PathLike, dtype: str = "float32") -> Path:
         cfg = ModelConfig.from_json({**cfg.to_json(), "eos_token_ids": sorted(eos)})
     params = model.params_from_hf(cfg, tensors, DTYPES[dtype])
     del tensors
+    return save(out, cfg, params, tokenizer, dtype, str(src))
+
+
+def save(out: str | os.PathLike, cfg: ModelConfig, params, tokenizer, dtype: str, source: str) -> Path:
+    """Write a checkpoint folder (under a temporary name, renamed when complete)."""
+    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         save_params(tmp / "params", params)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        meta = {"format": FORMAT, "config": cfg.to_json(), "dtype": dtype, "source": str(src)}
+        meta = {"format": FORMAT, "config": cfg.to_json(), "dtype": dtype, "source": source}
         (tmp / "jspec.json").write_text(json.dumps(meta, indent=1))
         if out.exists():
             out.rmdir()

@@ -132,14 +132,10 @@ def attention_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array,
     q = _rotate(qkv[:, :, :, :g], cos[:, :, None, None], sin[:, :, None, None])
     k = _rotate(qkv[:, :, :, g], cos[:, :, None], sin[:, :, None])
     v = qkv[:, :, :, g + 1]
-    if positions is None:
-        k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, 0, 0, 0))
-        v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, 0, 0, 0))
-        out = prefill_attention(q, k_cache, v_cache)
-    else:
-        k_cache = _write(k_cache, k, positions[:, 0])
-        v_cache = _write(v_cache, v, positions[:, 0])
-        out = attention(q, k_cache, v_cache, positions)
+    start = jnp.zeros(h.shape[:1], jnp.int32) if positions is None else positions[:, 0]
+    k_cache = _write(k_cache, k, start)
+    v_cache = _write(v_cache, v, start)
+    out = prefill_attention(q, k_cache, v_cache) if positions is None else attention(q, k_cache, v_cache, positions)
     return h + out.reshape(*out.shape[:2], -1) @ lp["wo"], k_cache, v_cache
 
 

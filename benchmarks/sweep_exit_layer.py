@@ -8,7 +8,7 @@ chosen from this table, so it must not see the evaluation set).
 Heads go to HEADS/KIND-N (an existing head is reused; training resumes if interrupted). The
 held-out prompts are written to benchmarks/heldout_prompts.jsonl: prompts of train_prompts.jsonl
 from the far end of the shuffled order `jspec distill-data` draws from (seed 0), so none is in
-the distillation data. Prints a Markdown table and appends it to docs/heads.md's sweep section.
+the distillation data. Prints a Markdown table (docs/heads.md, section 3, holds the measured ones).
 """
 
 from __future__ import annotations

@@ -15,13 +15,15 @@ import platform
 import statistics
 from pathlib import Path
 
-def markers(section: str) -> tuple[str, str]:
-    """The comments that delimit a report section in a Markdown file."""
-    return f"<!-- {section}:begin -->", f"<!-- {section}:end -->"
 INTRO = ("# Benchmarks\n\nMeasured with `jspec bench` (see `benchmarks/README.md`; `benchmarks/run_all.sh` "
          "regenerates this page). The section between the bench markers is rewritten on each run; "
          "text outside it is kept.\n\n")
 SPEEDUP_PNG, THROUGHPUT_PNG = "bench_speedup_by_category.png", "bench_throughput.png"
+
+
+def markers(section: str) -> tuple[str, str]:
+    """The comments that delimit a report section in a Markdown file."""
+    return f"<!-- {section}:begin -->", f"<!-- {section}:end -->"
 
 
 def machine_info() -> dict:

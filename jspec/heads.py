@@ -25,8 +25,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import jax
@@ -104,17 +102,9 @@ def fingerprint(cfg: ModelConfig) -> dict:
 def save(path: str | os.PathLike, hp: dict, meta: dict) -> Path:
     """Write the head folder atomically (a temporary folder renamed into place)."""
     path = Path(path).absolute()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
+    with store.writing_folder(path) as tmp:
         store.save_params(tmp / "params", hp)
         (tmp / "head.json").write_text(json.dumps({"format": FORMAT, **meta}, indent=1) + "\n")
-        if path.exists():
-            shutil.rmtree(path)
-        tmp.rename(path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return path
 
 

@@ -10,6 +10,7 @@ conversion never leaves something that looks like a checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -88,22 +89,30 @@ def convert(src: str, out: str | os.PathLike, dtype: str = "float32") -> Path:
 
 def save(out: str | os.PathLike, cfg: ModelConfig, params, tokenizer, dtype: str, source: str) -> Path:
     """Write a checkpoint folder (under a temporary name, renamed when complete)."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with writing_folder(out) as tmp:
         save_params(tmp / "params", params)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         meta = {"format": FORMAT, "config": cfg.to_json(), "dtype": dtype, "source": source}
         (tmp / "jspec.json").write_text(json.dumps(meta, indent=1))
-        if out.exists():
-            out.rmdir()
-        tmp.rename(out)
+    return Path(out)
+
+
+@contextlib.contextmanager
+def writing_folder(path: str | os.PathLike):
+    """Yield an empty temporary folder beside `path`; when the block completes it replaces `path`,
+    and if the block fails it is removed, so `path` is never half-written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        yield tmp
+        if path.exists():
+            shutil.rmtree(path)
+        tmp.rename(path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
 
 
 def save_params(path: Path, params) -> None:

@@ -51,10 +51,10 @@ def main() -> None:
         block = jax.jit(lambda hp, kv: heads.block(cfg, hp, h, positions, kv)[0])
         rows.append((f"{kind} head layer", timed(block, hp, kv)))
     x = h[:, 0]
-    rows.append((f"LM head, full vocabulary ({cfg.vocab_size})", timed(jax.jit(lambda w: x @ w), params["lm_head"])))
+    head = jax.jit(lambda w: M.project(x, w))
+    rows.append((f"LM head, full vocabulary ({cfg.vocab_size})", timed(head, M.head_weight(params))))
     for size in (4096, 8192, 16384):
-        w = params["lm_head"][:, :size]
-        rows.append((f"LM head, draft vocabulary of {size}", timed(jax.jit(lambda w: x @ w), w)))
+        rows.append((f"LM head, draft vocabulary of {size}", timed(head, M.head_weight(params)[:size])))
     base = rows[0][1]
     print("| part (batch 1, one position) | ms | x full step |\n| --- | ---: | ---: |")
     for name, ms in rows:

@@ -67,8 +67,8 @@ def empty_kv(cfg: ModelConfig, batch: int, length: int, dtype) -> dict:
 
 
 def draft_params(params, hp: dict) -> dict:
-    """What drafting needs: the head and the LM head's columns of its vocabulary [D, M]."""
-    return {**hp, "lm_head": jnp.take(params["lm_head"], hp["vocab"], axis=1)}
+    """What drafting needs: the head and the LM head's rows of its vocabulary [M, D]."""
+    return {**hp, "lm_head": jnp.take(model.head_weight(params), hp["vocab"], axis=0)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +82,7 @@ class Head:
 
     def logits(self, params, dparams, cfg, h, positions, kv):
         x, kv = block(cfg, dparams, h, positions, kv)
-        sub = jnp.dot(x, dparams["lm_head"], preferred_element_type=jnp.float32)  # [B, T, M]
+        sub = model.project(x, dparams["lm_head"])  # [B, T, M]
         full = jnp.full((*sub.shape[:-1], cfg.vocab_size), jnp.finfo(jnp.float32).min, jnp.float32)
         return full.at[..., dparams["vocab"]].set(sub), kv
 

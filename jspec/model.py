@@ -10,7 +10,7 @@ K kv heads, G query heads per kv head, H head dim, F MLP width):
                  bqkv [K*(G+2)*H]      (Qwen2 only)
                  wo [K*G*H, D], w_gate_up [D, 2*F] (gate then up), w_down [F, D]
     final_norm   [D]
-    lm_head      [D, V]                (tied models too: see below)
+    lm_head      [V, D]                (untied models only: a tied model's head is `embed`)
 
 Why a list and 2-D weights rather than arrays stacked for `lax.scan`: XLA on CPU copies every
 dynamically sliced (scanned) weight and every weight whose dot needs a reshape before it can
@@ -24,15 +24,14 @@ tokens sit at positions[b] (contiguous), and a query at position p sees cache en
 Entries beyond a row's position are stale (padding, rejected drafts) and are never attended to,
 which is what makes speculative rollback free.
 
-Tied models still get their own `lm_head`, the transposed embedding: XLA's CPU dot reads
-[V, D] transposed far slower than [D, V] when more than one position is scored (a profile of
-SmolLM2's 9-position verification showed about 100 ms in that one dot), for 28M extra
-parameters.
+The LM head keeps Hugging Face's [V, D] orientation, so a tied model uses its embedding and
+holds no second copy (28M parameters, a fifth of SmolLM2-135M). `project` says how it is read.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Mapping, Sequence
 
 import jax
@@ -43,6 +42,7 @@ from jspec.config import ModelConfig, rope_inv_freq
 
 Params = dict
 PREFILL_BLOCK = 64  # queries per block of prefill attention
+SMALL_ROWS = 8  # up to this many rows, the LM head is read once for all of them (see project)
 
 
 @jax.tree_util.register_dataclass
@@ -170,10 +170,29 @@ def run_layers(params: Params, cfg: ModelConfig, h: jax.Array, positions: jax.Ar
     return h, KVCache(k, v)
 
 
+def project(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., D] times w [N, D] transposed -> float32 [..., N]: the LM head (or a slice of its rows).
+
+    On a CPU, 2 to SMALL_ROWS rows (a verification, or one token of a small batch) are written as
+    a multiply-and-sum over D instead of a dot: XLA runs that as one pass over w that serves every
+    row, while its matmul for so few rows repacks the whole head first. For SmolLM2's 49152 x 576
+    head that is 5-6 ms instead of 8 ms at 2 rows and 17 ms at 8 (benchmarks/forward_cost.py)."""
+    rows = math.prod(x.shape[:-1])
+    if 2 <= rows <= SMALL_ROWS and jax.default_backend() == "cpu":
+        # [N, rows] with rows minor: each row of w is loaded once and used for every x row.
+        out = jnp.sum(w[:, None].astype(jnp.float32) * x.reshape(1, rows, -1).astype(jnp.float32), axis=-1)
+        return out.T.reshape(*x.shape[:-1], -1)
+    return jnp.einsum("...d,nd->...n", x, w, preferred_element_type=jnp.float32)
+
+
+def head_weight(params: Params) -> jax.Array:
+    """The LM head [V, D]; a tied model's is its embedding."""
+    return params.get("lm_head", params["embed"])
+
+
 def logits(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
     """Final norm and LM head: h [..., D] -> float32 logits [..., V]."""
-    x = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-    return jnp.dot(x, params["lm_head"], preferred_element_type=jnp.float32)
+    return project(rms_norm(h, params["final_norm"], cfg.rms_norm_eps), head_weight(params))
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array | None, cache: KVCache):
@@ -222,8 +241,8 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], dtype=np
         "layers": layers,
         "final_norm": get("model.norm.weight").astype(dtype),
     }
-    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-    params["lm_head"] = get(head).T.astype(dtype)
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = get("lm_head.weight").astype(dtype)
     return params
 
 
@@ -235,5 +254,7 @@ def param_shapes(cfg: ModelConfig) -> dict:
              "w_gate_up": (D, 2 * F), "w_down": (F, D)}
     if cfg.attention_bias:
         layer["bqkv"] = (qkv,)
-    return {"embed": (V, D), "layers": [dict(layer) for _ in range(cfg.num_layers)], "final_norm": (D,),
-            "lm_head": (D, V)}
+    shapes = {"embed": (V, D), "layers": [dict(layer) for _ in range(cfg.num_layers)], "final_norm": (D,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (V, D)
+    return shapes

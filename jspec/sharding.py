@@ -18,7 +18,7 @@ from jspec.errors import JspecError
 # Parameter name -> mesh axis of each dimension (Megatron style: column-parallel in, row-parallel out).
 RULES: dict[str, tuple[str | None, ...]] = {
     "embed": ("model", None),
-    "lm_head": (None, "model"),
+    "lm_head": ("model", None),
     "final_norm": (None,),
     "attn_norm": (None,),
     "mlp_norm": (None,),

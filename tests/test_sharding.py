@@ -71,7 +71,7 @@ def test_sharded_generation_equals_unsharded(converted, prompts, reference, mesh
         assert spec(layer["wo"]) == ("model", None)  # row parallel
         assert spec(layer["w_down"]) == ("model", None)
         assert spec(m.params["embed"]) == ("model", None)
-        assert spec(m.params["lm_head"]) == (None, "model")
+        assert spec(m.params["lm_head"]) == ("model", None)  # [V, D], split over the vocabulary
         assert layer["wqkv"].addressable_shards[0].data.shape == (128, 256 // sizes["model"])
         assert layer["w_down"].addressable_shards[0].data.shape == (256 // sizes["model"], 128)
     else:

@@ -176,7 +176,8 @@ def project(x: jax.Array, w: jax.Array) -> jax.Array:
     On a CPU, 2 to SMALL_ROWS rows (a verification, or one token of a small batch) are written as
     a multiply-and-sum over D instead of a dot: XLA runs that as one pass over w that serves every
     row, while its matmul for so few rows repacks the whole head first. For SmolLM2's 49152 x 576
-    head that is 5-6 ms instead of 8 ms at 2 rows and 17 ms at 8 (benchmarks/forward_cost.py)."""
+    head that took 5-6 ms instead of 8 ms at 2 rows and 17 ms at 8 in a microbenchmark on 2 CPU
+    cores; benchmarks/forward_cost.py shows the effect on a whole forward."""
     rows = math.prod(x.shape[:-1])
     if 2 <= rows <= SMALL_ROWS and jax.default_backend() == "cpu":
         # [N, rows] with rows minor: each row of w is loaded once and used for every x row.

@@ -51,7 +51,7 @@ def main() -> None:
         block = jax.jit(lambda hp, kv: heads.block(cfg, hp, h, positions, kv)[0])
         rows.append((f"{kind} head layer", timed(block, hp, kv)))
     x = h[:, 0]
-    head = jax.jit(lambda w: M.project(x, w))
+    head = jax.jit(lambda w: M.linear(x, w, jnp.float32))
     rows.append((f"LM head, full vocabulary ({cfg.vocab_size})", timed(head, M.head_weight(params))))
     for size in (4096, 8192, 16384):
         rows.append((f"LM head, draft vocabulary of {size}", timed(head, M.head_weight(params)[:size])))

@@ -36,7 +36,7 @@ from jspec.convert import store
 from jspec.errors import JspecError
 
 KINDS = ("eesd", "kangaroo")
-FORMAT = 1
+FORMAT = 2
 _ATTENTION = ("attn_norm", "wqkv", "bqkv", "wo")
 _MLP = ("mlp_norm", "w_gate_up", "w_down")
 
@@ -82,7 +82,7 @@ class Head:
 
     def logits(self, params, dparams, cfg, h, positions, kv):
         x, kv = block(cfg, dparams, h, positions, kv)
-        sub = model.project(x, dparams["lm_head"])  # [B, T, M]
+        sub = model.linear(x, dparams["lm_head"], jnp.float32)  # [B, T, M]
         full = jnp.full((*sub.shape[:-1], cfg.vocab_size), jnp.finfo(jnp.float32).min, jnp.float32)
         return full.at[..., dparams["vocab"]].set(sub), kv
 
@@ -114,7 +114,7 @@ def read_meta(path: str | os.PathLike) -> dict:
         raise JspecError(f"{path} is not a jspec head (no head.json)")
     meta = json.loads((path / "head.json").read_text())
     if meta.get("format") != FORMAT:
-        raise JspecError(f"head {path} has format {meta.get('format')}; this jspec reads format {FORMAT}")
+        raise JspecError(f"head {path} has format {meta.get('format')}; this jspec reads format {FORMAT} (train it again)")
     return meta
 
 

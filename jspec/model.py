@@ -5,12 +5,14 @@ K kv heads, G query heads per kv head, H head dim, F MLP width):
 
     embed        [V, D]
     layers[i]    attn_norm [D], mlp_norm [D]
-                 wqkv [D, K*(G+2)*H]   per kv group its G query heads, then its k and v: one
-                                       matmul, and a K-way column split keeps a group together
+                 wqkv [K*(G+2)*H, D]   per kv group its G query heads, then its k and v: one
+                                       matmul, and a K-way split of the rows keeps a group together
                  bqkv [K*(G+2)*H]      (Qwen2 only)
-                 wo [K*G*H, D], w_gate_up [D, 2*F] (gate then up), w_down [F, D]
+                 wo [D, K*G*H], w_gate_up [2*F, D] (gate then up), w_down [D, F]
     final_norm   [D]
     lm_head      [V, D]                (untied models only: a tied model's head is `embed`)
+
+Every matrix keeps Hugging Face's [out, in] orientation and is read by `linear`.
 
 Why a list and 2-D weights rather than arrays stacked for `lax.scan`: XLA on CPU copies every
 dynamically sliced (scanned) weight and every weight whose dot needs a reshape before it can
@@ -24,8 +26,8 @@ tokens sit at positions[b] (contiguous), and a query at position p sees cache en
 Entries beyond a row's position are stale (padding, rejected drafts) and are never attended to,
 which is what makes speculative rollback free.
 
-The LM head keeps Hugging Face's [V, D] orientation, so a tied model uses its embedding and
-holds no second copy (28M parameters, a fifth of SmolLM2-135M). `project` says how it is read.
+Because the LM head is [V, D] like the rest, a tied model uses its embedding and holds no second
+copy (28M parameters, a fifth of SmolLM2-135M).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from jspec.config import ModelConfig, rope_inv_freq
 
 Params = dict
 PREFILL_BLOCK = 64  # queries per block of prefill attention
-SMALL_ROWS = 8  # up to this many rows, the LM head is read once for all of them (see project)
+SMALL_ROWS = 32  # up to this many rows, a weight is read once for all of them (see linear)
 
 
 @jax.tree_util.register_dataclass
@@ -125,7 +127,7 @@ def attention_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array,
     positions None is a prefill: every row's tokens sit at 0..T-1."""
     g = cfg.group_size
     x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
-    qkv = x @ lp["wqkv"]
+    qkv = linear(x, lp["wqkv"])
     if "bqkv" in lp:
         qkv = qkv + lp["bqkv"]
     qkv = qkv.reshape(*qkv.shape[:2], cfg.num_kv_heads, g + 2, cfg.head_dim)
@@ -136,14 +138,14 @@ def attention_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array,
     k_cache = _write(k_cache, k, start)
     v_cache = _write(v_cache, v, start)
     out = prefill_attention(q, k_cache, v_cache) if positions is None else attention(q, k_cache, v_cache, positions)
-    return h + out.reshape(*out.shape[:2], -1) @ lp["wo"], k_cache, v_cache
+    return h + linear(out.reshape(*out.shape[:2], -1), lp["wo"]), k_cache, v_cache
 
 
 def mlp_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array) -> jax.Array:
     """The MLP half of a decoder block, residual included."""
     x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
-    gate, up = jnp.split(x @ lp["w_gate_up"], 2, axis=-1)
-    return h + (jax.nn.silu(gate) * up) @ lp["w_down"]
+    gate, up = jnp.split(linear(x, lp["w_gate_up"]), 2, axis=-1)
+    return h + linear(jax.nn.silu(gate) * up, lp["w_down"])
 
 
 def decoder_layer(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array, positions: jax.Array | None,
@@ -170,20 +172,22 @@ def run_layers(params: Params, cfg: ModelConfig, h: jax.Array, positions: jax.Ar
     return h, KVCache(k, v)
 
 
-def project(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., D] times w [N, D] transposed -> float32 [..., N]: the LM head (or a slice of its rows).
+def linear(x: jax.Array, w: jax.Array, dtype=None) -> jax.Array:
+    """x [..., D] times w [N, D] transposed -> [..., N], accumulated in float32 and returned in
+    `dtype` (default: x's). Every weight matrix, the LM head included, is read this way.
 
-    On a CPU, 2 to SMALL_ROWS rows (a verification, or one token of a small batch) are written as
-    a multiply-and-sum over D instead of a dot: XLA runs that as one pass over w that serves every
-    row, while its matmul for so few rows repacks the whole head first. For SmolLM2's 49152 x 576
+    On a CPU, 2 to SMALL_ROWS rows (a verification, or a step of a batch) are written as a
+    multiply-and-sum over D instead of a dot: XLA runs that as one pass over w that serves every
+    row, while its matmul for so few rows repacks the whole weight first. For SmolLM2's 49152 x 576
     head that took 5-6 ms instead of 8 ms at 2 rows and 17 ms at 8 in a microbenchmark on 2 CPU
-    cores; benchmarks/forward_cost.py shows the effect on a whole forward."""
+    cores. Whole forwards (benchmarks/forward_cost.py) gain up to 32 rows and lose from 48."""
+    dtype = x.dtype if dtype is None else dtype
     rows = math.prod(x.shape[:-1])
     if 2 <= rows <= SMALL_ROWS and jax.default_backend() == "cpu":
         # [N, rows] with rows minor: each row of w is loaded once and used for every x row.
         out = jnp.sum(w[:, None].astype(jnp.float32) * x.reshape(1, rows, -1).astype(jnp.float32), axis=-1)
-        return out.T.reshape(*x.shape[:-1], -1)
-    return jnp.einsum("...d,nd->...n", x, w, preferred_element_type=jnp.float32)
+        return out.T.reshape(*x.shape[:-1], -1).astype(dtype)
+    return jnp.einsum("...d,nd->...n", x, w, preferred_element_type=jnp.float32).astype(dtype)
 
 
 def head_weight(params: Params) -> jax.Array:
@@ -193,7 +197,7 @@ def head_weight(params: Params) -> jax.Array:
 
 def logits(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
     """Final norm and LM head: h [..., D] -> float32 logits [..., V]."""
-    return project(rms_norm(h, params["final_norm"], cfg.rms_norm_eps), head_weight(params))
+    return linear(rms_norm(h, params["final_norm"], cfg.rms_norm_eps), head_weight(params), jnp.float32)
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array | None, cache: KVCache):
@@ -203,7 +207,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
 
 
 def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], dtype=np.float32) -> Params:
-    """Hugging Face tensor names and orientation ([out, in] linears) -> jspec's stacked layout."""
+    """Hugging Face tensor names -> jspec's layout (the orientation, [out, in], stays)."""
     d, k, g, hd = cfg.hidden_size, cfg.num_kv_heads, cfg.group_size, cfg.head_dim
 
     def get(name):
@@ -215,7 +219,7 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], dtype=np
         q = get(p + "self_attn.q_proj.weight").reshape(k, g, hd, d)
         kk = get(p + "self_attn.k_proj.weight").reshape(k, 1, hd, d)
         v = get(p + "self_attn.v_proj.weight").reshape(k, 1, hd, d)
-        return np.concatenate([q, kk, v], axis=1).reshape(-1, d).T
+        return np.concatenate([q, kk, v], axis=1).reshape(-1, d)
 
     def qkv_bias(p):
         q = get(p + "self_attn.q_proj.bias").reshape(k, g, hd)
@@ -227,11 +231,11 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], dtype=np
         "attn_norm": lambda p: get(p + "input_layernorm.weight"),
         "wqkv": qkv_weight,
         # HF's head order is already kv-group major (head i reads kv head i // G).
-        "wo": lambda p: get(p + "self_attn.o_proj.weight").T,
+        "wo": lambda p: get(p + "self_attn.o_proj.weight"),
         "mlp_norm": lambda p: get(p + "post_attention_layernorm.weight"),
         "w_gate_up": lambda p: np.concatenate(
-            [get(p + "mlp.gate_proj.weight").T, get(p + "mlp.up_proj.weight").T], axis=1),
-        "w_down": lambda p: get(p + "mlp.down_proj.weight").T,
+            [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], axis=0),
+        "w_down": lambda p: get(p + "mlp.down_proj.weight"),
     }
     if cfg.attention_bias:
         fields["bqkv"] = qkv_bias
@@ -251,8 +255,8 @@ def param_shapes(cfg: ModelConfig) -> dict:
     """Expected shape of every parameter, used to refuse checkpoints of another model."""
     D, V, F = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size
     qkv, heads = cfg.num_kv_heads * (cfg.group_size + 2) * cfg.head_dim, cfg.num_heads * cfg.head_dim
-    layer = {"attn_norm": (D,), "wqkv": (D, qkv), "wo": (heads, D), "mlp_norm": (D,),
-             "w_gate_up": (D, 2 * F), "w_down": (F, D)}
+    layer = {"attn_norm": (D,), "wqkv": (qkv, D), "wo": (D, heads), "mlp_norm": (D,),
+             "w_gate_up": (2 * F, D), "w_down": (D, F)}
     if cfg.attention_bias:
         layer["bqkv"] = (qkv,)
     shapes = {"embed": (V, D), "layers": [dict(layer) for _ in range(cfg.num_layers)], "final_norm": (D,)}

@@ -15,18 +15,19 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jspec.errors import JspecError
 
-# Parameter name -> mesh axis of each dimension (Megatron style: column-parallel in, row-parallel out).
+# Parameter name -> mesh axis of each dimension of the [out, in] weights (Megatron style: the
+# projections in split their outputs, the projections out split their inputs).
 RULES: dict[str, tuple[str | None, ...]] = {
     "embed": ("model", None),
     "lm_head": ("model", None),
     "final_norm": (None,),
     "attn_norm": (None,),
     "mlp_norm": (None,),
-    "wqkv": (None, "model"),
+    "wqkv": ("model", None),
     "bqkv": ("model",),
-    "wo": ("model", None),
-    "w_gate_up": (None, "model"),
-    "w_down": ("model", None),
+    "wo": (None, "model"),
+    "w_gate_up": ("model", None),
+    "w_down": (None, "model"),
 }
 # KV cache per layer [B, S, K, H]: rows over data, kv heads over model.
 CACHE_RULE = ("data", None, "model", None)

@@ -135,6 +135,11 @@ def test_head_for_another_model_is_refused(lm, make_tiny, tmp_path):
         other = make_tiny("llama", **change).jspec_model()
         with pytest.raises(JspecError, match=f"another model: .*{what}"):
             other.generate([{"token_ids": [5, 6, 7]}], method="kangaroo", head=str(path), max_new_tokens=2)
+    meta = json.loads((path / "head.json").read_text())
+    (path / "head.json").write_text(json.dumps({**meta, "format": heads.FORMAT - 1}))
+    with pytest.raises(JspecError, match=f"format {heads.FORMAT - 1}; this jspec reads format {heads.FORMAT}"):
+        lm.generate([{"token_ids": [5, 6, 7]}], method="kangaroo", head=str(path), max_new_tokens=2)
+    (path / "head.json").write_text(json.dumps(meta))
     with pytest.raises(JspecError, match="kangaroo head, not a eesd head"):
         lm.generate([{"token_ids": [5, 6, 7]}], method="eesd", head=str(path), max_new_tokens=2)
     with pytest.raises(JspecError, match="needs --head"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -185,15 +186,19 @@ def test_forward_writes_cache_at_row_positions(make_tiny):
     assert all(np.asarray(v).any() for v in cache.v)
 
 
-@pytest.mark.parametrize("shape", [(1, 1), (1, 2), (2, 1), (4, 2), (1, 5), (3, 3), (2, 8)])
-def test_project_every_row_count_equals_the_matmul(shape):
-    """The LM head read once for 2..SMALL_ROWS rows computes what the matmul does, row by row."""
+@pytest.mark.parametrize("shape", [(1, 1), (1, 2), (2, 1), (4, 2), (1, 5), (3, 3), (2, 16), (4, 9)])
+def test_linear_every_row_count_equals_the_matmul(shape):
+    """A weight read once for 2..SMALL_ROWS rows gives what the matmul does, row by row, in the
+    dtype asked for."""
     rng = np.random.default_rng(sum(shape))
     x = rng.standard_normal((*shape, 48)).astype(np.float32)
     w = rng.standard_normal((300, 48)).astype(np.float32)
-    out = np.asarray(model.project(jnp.asarray(x), jnp.asarray(w)))
+    out = np.asarray(model.linear(jnp.asarray(x), jnp.asarray(w)))
     assert out.shape == (*shape, 300) and out.dtype == np.float32
     np.testing.assert_allclose(out, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-5, atol=1e-4)
+    low = model.linear(jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16))
+    assert low.dtype == jnp.bfloat16
+    assert model.linear(jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16), jnp.float32).dtype == jnp.float32
 
 
 # -- running a subset of the layers --------------------------------------------------------------
@@ -290,6 +295,23 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
         ModelConfig.from_hf({"model_type": "phi3"})
     with pytest.raises(JspecError, match=f"unsupported architecture unknown; jspec supports {SUPPORTED}"):
         ModelConfig.from_hf({})
+
+
+def test_checkpoint_of_another_format_is_refused_or_converted_again(make_tiny, tmp_path, monkeypatch):
+    """A folder written under another layout must not be read as this one: an explicit folder is
+    refused, a cached conversion is redone."""
+    from jspec.convert import cache
+
+    monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "cache"))
+    source = str(make_tiny("llama").path.parent / "source")
+    out = cache.resolve(source)
+    meta = json.loads((out / "jspec.json").read_text())
+    (out / "jspec.json").write_text(json.dumps({**meta, "format": store.FORMAT - 1}))
+    with pytest.raises(JspecError, match=rf"another jspec version \(format {store.FORMAT - 1}\); convert again"):
+        store.load(out)
+    assert cache.resolve(source) == out and store.is_current(out)
+    cfg, params, _ = store.load(out)
+    assert params["layers"][0]["wqkv"].shape == model.param_shapes(cfg)["layers"][0]["wqkv"]
 
 
 # -- bfloat16 ---------------------------------------------------------------------------------------

@@ -66,14 +66,14 @@ def test_sharded_generation_equals_unsharded(converted, prompts, reference, mesh
     # The parameters live split over the mesh, not on one device.
     assert len(layer["wqkv"].sharding.device_set) == 8
     if sizes["model"] > 1:
-        assert spec(layer["wqkv"]) == (None, "model")  # column parallel
-        assert spec(layer["w_gate_up"]) == (None, "model")
-        assert spec(layer["wo"]) == ("model", None)  # row parallel
-        assert spec(layer["w_down"]) == ("model", None)
+        assert spec(layer["wqkv"]) == ("model", None)  # [out, in]: column parallel
+        assert spec(layer["w_gate_up"]) == ("model", None)
+        assert spec(layer["wo"]) == (None, "model")  # row parallel
+        assert spec(layer["w_down"]) == (None, "model")
         assert spec(m.params["embed"]) == ("model", None)
         assert spec(m.params["lm_head"]) == ("model", None)  # [V, D], split over the vocabulary
-        assert layer["wqkv"].addressable_shards[0].data.shape == (128, 256 // sizes["model"])
-        assert layer["w_down"].addressable_shards[0].data.shape == (256 // sizes["model"], 128)
+        assert layer["wqkv"].addressable_shards[0].data.shape == (256 // sizes["model"], 128)
+        assert layer["w_down"].addressable_shards[0].data.shape == (128, 256 // sizes["model"])
     else:
         assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(m.params))
     assert spec(layer["attn_norm"]) == (None,) and spec(m.params["final_norm"]) == (None,)

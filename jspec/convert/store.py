@@ -25,7 +25,7 @@ from jspec import model
 from jspec.config import ModelConfig
 from jspec.errors import JspecError
 
-FORMAT = 3
+FORMAT = 4
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 

@@ -108,7 +108,7 @@ def _forward(trainable, frozen, cfg, batch):
     answer = batch["top_logp"].shape[1]
     at = jnp.minimum(prompt_lens[:, None] - 1 + jnp.arange(answer)[None], length - 1)
     x = jnp.take_along_axis(x, at[:, :, None], axis=1)
-    return jax.nn.log_softmax(M.project(x, frozen["lm_head"]), axis=-1)
+    return jax.nn.log_softmax(M.linear(x, frozen["lm_head"], jnp.float32), axis=-1)
 
 
 def _losses(logq, batch, ce_weight: float):

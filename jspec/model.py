@@ -180,7 +180,7 @@ def linear(x: jax.Array, w: jax.Array, dtype=None) -> jax.Array:
     multiply-and-sum over D instead of a dot: XLA runs that as one pass over w that serves every
     row, while its matmul for so few rows repacks the whole weight first. For SmolLM2's 49152 x 576
     head that took 5-6 ms instead of 8 ms at 2 rows and 17 ms at 8 in a microbenchmark on 2 CPU
-    cores. Whole forwards (benchmarks/forward_cost.py) gain up to 32 rows and lose from 48."""
+    cores. Whole forwards of the default model gained up to 32 rows and lost from 48 (docs/design.md)."""
     dtype = x.dtype if dtype is None else dtype
     rows = math.prod(x.shape[:-1])
     if 2 <= rows <= SMALL_ROWS and jax.default_backend() == "cpu":

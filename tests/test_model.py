@@ -188,8 +188,8 @@ def test_forward_writes_cache_at_row_positions(make_tiny):
 
 @pytest.mark.parametrize("shape", [(1, 1), (1, 2), (2, 1), (4, 2), (1, 5), (3, 3), (2, 16), (4, 9)])
 def test_linear_every_row_count_equals_the_matmul(shape):
-    """A weight read once for 2..SMALL_ROWS rows gives what the matmul does, row by row, in the
-    dtype asked for."""
+    """Both ways of reading a weight (one pass for 2..SMALL_ROWS rows, the matmul for 1 row and
+    beyond SMALL_ROWS) give the float64 product row by row, in the dtype asked for."""
     rng = np.random.default_rng(sum(shape))
     x = rng.standard_normal((*shape, 48)).astype(np.float32)
     w = rng.standard_normal((300, 48)).astype(np.float32)

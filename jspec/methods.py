@@ -31,10 +31,10 @@ HEAD_METHODS = heads.KINDS
 
 
 # K fixes the verification width (K + 1 positions every round, whatever the controller stops at).
-# On a CPU a forward over 2 or 3 positions costs 1.4 decode steps and over 5 about 1.8
+# On a CPU a forward over 2 or 3 positions costs 1.5 decode steps and over 5 about 2.1
 # (benchmarks/forward_cost.py), so with the trained heads' agreement (about 0.45) K = 1 is the
-# fastest there, level with K = 2 (docs/heads.md); accelerators verify a few positions for about
-# one step's price.
+# fastest there, a little ahead of K = 2 (docs/heads.md); accelerators verify a few positions for
+# about one step's price.
 def default_max_draft(method: str) -> int:
     if method in HEAD_METHODS:
         return 1 if jax.default_backend() == "cpu" else 4

@@ -186,7 +186,8 @@ def test_forward_writes_cache_at_row_positions(make_tiny):
     assert all(np.asarray(v).any() for v in cache.v)
 
 
-@pytest.mark.parametrize("shape", [(1, 1), (1, 2), (2, 1), (4, 2), (1, 5), (3, 3), (2, 16), (4, 9), (4, 16), (4, 17)])
+@pytest.mark.parametrize("shape", [(1, 1), (1, 2), (2, 1), (4, 2), (1, 5), (3, 3), (2, 16), (4, 9),
+                                   (2, model.SMALL_ROWS // 2), (1, model.SMALL_ROWS + 1)])
 def test_linear_every_row_count_equals_the_matmul(shape):
     """Both ways of reading a weight (one pass for 2..SMALL_ROWS rows, the matmul for 1 row and
     beyond SMALL_ROWS) give the float64 product row by row, in the dtype asked for."""

@@ -114,7 +114,8 @@ def read_meta(path: str | os.PathLike) -> dict:
         raise JspecError(f"{path} is not a jspec head (no head.json)")
     meta = json.loads((path / "head.json").read_text())
     if meta.get("format") != FORMAT:
-        raise JspecError(f"head {path} has format {meta.get('format')}; this jspec reads format {FORMAT} (train it again)")
+        raise JspecError(f"head {path} has format {meta.get('format')}; this jspec reads format {FORMAT} "
+                         "(train it again)")
     return meta
 
 

@@ -5,9 +5,9 @@
     [r] = m.generate(["Name three primes."], max_new_tokens=64)
     print(r["text"], r["tokens_per_second"])
 
-Prompts are batched in order (`batch_size` rows per compiled call, the last batch padded) and
-right-padded to a length bucket, so a program is compiled once per (batch, prompt bucket,
-max_new_tokens, sampling, method) and never per prompt. Compilation happens before the clock
+Prompts of similar length are batched together (`batch_size` rows per compiled call, the last
+batch padded; see `batches`) and right-padded to a length bucket, so a program is compiled once
+per (batch, prompt bucket, max_new_tokens, sampling, method) and never per prompt. Compilation happens before the clock
 starts: `seconds` is the wall time of the batch that produced a record, prefill included.
 """
 
@@ -69,6 +69,18 @@ def prompt_bucket(n: int) -> int:
     return -(-n // PROMPT_STEP) * PROMPT_STEP
 
 
+def batches(requests: Sequence[Request], batch_size: int) -> list[list[Request]]:
+    """Split requests into batches, shortest prompts first (ties in the given order).
+
+    A batch is prefilled at its longest prompt's padded length and decodes until its last row
+    stops, so a short prompt batched with a long one pays for the long one. Sorting keeps a
+    resumed run's batches those of the uninterrupted run: the finished prompts were its first
+    batches, and the rest sort the same way.
+    """
+    ordered = sorted(requests, key=lambda r: len(r.token_ids)) if batch_size > 1 else list(requests)
+    return [ordered[i:i + batch_size] for i in range(0, len(ordered), batch_size)]
+
+
 class Model:
     def __init__(self, cfg: ModelConfig, params, tokenizer=None, mesh=None, name: str = "model"):
         self.cfg, self.params, self.tokenizer, self.mesh, self.name = cfg, params, tokenizer, mesh, name
@@ -111,13 +123,18 @@ class Model:
         """Records (id, text, token_ids, new_tokens, seconds, tokens_per_second, stats) in prompt order."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        return list(self.stream(self.requests(prompts, options.pop("chat", True)), method, **options))
+        requests = self.requests(prompts, options.pop("chat", True))
+        records = self.stream(requests, method, **options)
+        ran = [r for batch in batches(requests, options.get("batch_size", 1)) for r in batch]
+        by_index = {r.index: record for r, record in zip(ran, records)}
+        return [by_index[r.index] for r in requests]
 
     def stream(self, requests: Sequence[Request], method: str = "ar", *, max_new_tokens: int = 128,
                batch_size: int = 1, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                seed: int = 0, **method_options) -> Iterator[dict]:
         """Check everything, then return an iterator of records that runs batch by batch (the CLI
-        writes them as they come).
+        writes them as they come). They come in the order of `batches(requests, batch_size)`:
+        the requests' own order at batch size 1, shortest prompts first above it.
 
         `method_options` are those of `jspec.methods.build` (max_draft, controller, exit_layer,
         skip_layers, draft_model, threshold, ...); `draft_model` may be a path or a loaded Model.
@@ -141,8 +158,7 @@ class Model:
         return self._batches(list(requests), batch_size, max_new_tokens, sampling, seed, plan)
 
     def _batches(self, requests, batch_size, max_new_tokens, sampling, seed, plan) -> Iterator[dict]:
-        for start in range(0, len(requests), batch_size):
-            batch = requests[start:start + batch_size]
+        for batch in batches(requests, batch_size):
             key = jax.random.fold_in(jax.random.key(seed), batch[0].index)
             yield from self._run_batch(batch, batch_size, max_new_tokens, sampling, key, plan)
 

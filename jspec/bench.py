@@ -137,7 +137,7 @@ def read_bench_prompts(path: str | Path, limit: int | None = None) -> list[dict]
     if not path.is_file():
         raise JspecError(f"prompts file {path} does not exist" + (" (it is a directory)" if path.is_dir() else ""))
     rows = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):  # not splitlines: U+2028
         if line.strip():
             try:
                 rows.append((lineno, json.loads(line)))
@@ -186,7 +186,8 @@ class Results:
         self.writer = RecordWriter(path, resume=resume)
         self.rows = []
         if resume and self.writer.partial.exists():
-            self.rows = [json.loads(x) for x in self.writer.partial.read_text().splitlines() if x.strip()]
+            text = self.writer.partial.read_text(encoding="utf-8")
+            self.rows = [json.loads(x) for x in text.split("\n") if x.strip()]  # not splitlines: U+2028
         for r in self.rows:
             other = {k: r.get(k) for k in settings if r.get(k) != settings[k]}
             if other:
@@ -219,10 +220,9 @@ def _row(method: str, kind: str, batch_size: int, prompt: dict, ids: list[int], 
 def run_jspec(model, spec: MethodSpec, options: dict, chunk: list, requests: list, batch_size: int, args,
               results: Results, settings: dict, warmed: set) -> list[dict]:
     """Time one batch of `requests` (the prompts `chunk`) `args.repeats` times; one row per prompt."""
-    from jspec.api import MIN_PROMPT_BUCKET
+    from jspec.api import prompt_bucket
 
-    n = max(len(r.token_ids) for r in requests)
-    shape = (spec.label, batch_size, max(MIN_PROMPT_BUCKET, 1 << (n - 1).bit_length()))
+    shape = (spec.label, batch_size, prompt_bucket(max(len(r.token_ids) for r in requests)))
     run = lambda: list(model.stream(requests, spec.name, max_new_tokens=args.max_new_tokens,  # noqa: E731
                                     batch_size=batch_size, **options))
     if shape not in warmed:  # compile (before the clock) and run once untimed
@@ -373,6 +373,7 @@ def _run_all(model, specs, options, sizes, batch_labels, hf, hf_methods, prompts
     from tqdm import tqdm
 
     from jspec import bench_hf
+    from jspec.api import batches
 
     plan = [(b, [s for s in specs if b == args.batch_size or s.label in batch_labels]) for b in sizes]
     keys = {(s.label, b, json.dumps(p["id"])) for b, ss in plan for s in ss for p in prompts}
@@ -384,10 +385,10 @@ def _run_all(model, specs, options, sizes, batch_labels, hf, hf_methods, prompts
     with tqdm(total=len(keys), initial=len(keys) - todo, unit="row", file=sys.stderr, dynamic_ncols=True,
               mininterval=1.0, disable=todo == 0) as bar:
         for b, ss in plan:
-            for start in range(0, len(prompts), b):
+            for batch in batches(requests, b):
                 for s in ss:
-                    idx = [i for i in range(start, min(start + b, len(prompts)))
-                           if (s.label, b, json.dumps(prompts[i]["id"])) not in results.done]
+                    idx = [r.index for r in batch
+                           if (s.label, b, json.dumps(prompts[r.index]["id"])) not in results.done]
                     if idx:
                         bar.set_description(f"{s.label} b={b}", refresh=False)
                         results.add(run_jspec(model, s, options[s.label], [prompts[i] for i in idx],
@@ -395,6 +396,7 @@ def _run_all(model, specs, options, sizes, batch_labels, hf, hf_methods, prompts
                         bar.update(len(idx))
                 if b != 1:
                     continue
+                start = batch[0].index
                 for m in hf_methods:
                     if (m, 1, json.dumps(prompts[start]["id"])) in results.done:
                         continue

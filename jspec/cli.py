@@ -64,7 +64,8 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
                    help="tokens to generate per prompt at most (default: %(default)s)")
     g.add_argument("--batch-size", type=int, default=1, metavar="N",
-                   help="prompts per compiled call (default: %(default)s)")
+                   help="prompts per compiled call, batched by length; the output keeps the prompts' "
+                        "order (default: %(default)s)")
     g.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="sampling temperature; 0 is greedy (default: %(default)s)")
     g.add_argument("--top-k", type=int, default=0, metavar="K",
@@ -234,7 +235,7 @@ def _generate_file(args: argparse.Namespace) -> int:
                     bar.update(len(batch))
                     tokens += sum(r["new_tokens"] for r in batch)
                     seconds += batch[0]["seconds"]
-        path = writer.finish()
+        path = writer.finish(order=[p["id"] for p in prompts])
     except BaseException as e:
         writer.close()
         if writer.count:

@@ -3,8 +3,9 @@
 Prompts: one JSON object a line, with `prompt` (a string) or `messages` (a list of
 {role, content}), and optionally `id` (default: the 0-based index among the prompt lines).
 
-Records go to `OUT.partial`, appended and fsynced batch by batch; `finish()` renames it to `OUT`
-atomically. An interrupted run leaves `OUT` untouched and the partial file in place, and
+Records go to `OUT.partial`, appended and fsynced batch by batch as the batches finish;
+`finish()` puts them in the prompts' order and renames the file to `OUT` atomically. An
+interrupted run leaves `OUT` untouched and the partial file in place, and
 `RecordWriter(OUT, resume=True)` keeps what it holds, so the next run only does the rest.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from jspec.errors import JspecError
 
@@ -141,13 +142,16 @@ class RecordWriter:
             self._file.close()
             self._file = None
 
-    def finish(self) -> Path:
-        """Publish the output: rename `OUT.partial` to `OUT` (atomic on one file system)."""
+    def finish(self, order: Sequence | None = None) -> Path:
+        """Publish the output: rename `OUT.partial` to `OUT` (atomic on one file system), its
+        records first sorted into `order` (their ids) if given."""
         self.close()
         if self.complete:
             return self.path
         if not self.partial.exists():  # nothing was written (and nothing to resume): an empty output
             self.partial.touch()
+        if order is not None:
+            self._sort(order)
         os.replace(self.partial, self.path)
         try:
             fd = os.open(self.path.parent, os.O_RDONLY)
@@ -160,6 +164,19 @@ class RecordWriter:
         finally:
             os.close(fd)
         return self.path
+
+    def _sort(self, order: Sequence) -> None:
+        lines = self.partial.read_bytes().split(b"\n")[:-1]  # every record ends with a newline
+        rank = {json.dumps(i): n for n, i in enumerate(order)}
+        ordered = sorted(lines, key=lambda line: rank.get(json.dumps(json.loads(line)["id"]), len(rank)))
+        if ordered == lines:
+            return
+        sorting = self.partial.with_name(self.partial.name + ".sorting")
+        with open(sorting, "wb") as f:
+            f.write(b"".join(line + b"\n" for line in ordered))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(sorting, self.partial)  # a crash here leaves a complete partial file either way
 
     def __enter__(self) -> "RecordWriter":
         return self

@@ -69,7 +69,7 @@ def write_lines(path: Path, *lines) -> Path:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line]  # not splitlines: U+2028
 
 
 def untimed(record: dict) -> dict:
@@ -137,7 +137,17 @@ def test_resume_keeps_finished_records(capsys, tiny, tmp_path):
 
 
 def test_failure_mid_run_leaves_output_untouched(capsys, tiny, tmp_path, monkeypatch):
+    """Interrupted in its second batch and resumed, a sampled run at batch 2 writes what an
+    uninterrupted one writes, in the prompts' order (its batches ran shortest prompts first)."""
     prompts = write_lines(tmp_path / "in.jsonl", *PROMPTS, {"prompt": "One more."})
+    sampled = [*GEN, "--batch-size", "2", "--temperature", "1", "--seed", "3"]
+    ref = tmp_path / "ref.jsonl"
+    assert run(capsys, "generate", "--prompts", prompts, "--output", ref, "--model", tiny, *sampled)[0] == 0
+    reference = read_jsonl(ref)
+    model = jspec.api.load(tiny)
+    first = [r.id for r in jspec.api.batches(model.requests(read_prompts(prompts)), 2)[0]]
+    assert first != [0, "greeting"]  # length order is not file order here
+
     out = tmp_path / "out.jsonl"
     partial = tmp_path / "out.jsonl.partial"
     out.write_text("an earlier, complete output\n")
@@ -152,21 +162,21 @@ def test_failure_mid_run_leaves_output_untouched(capsys, tiny, tmp_path, monkeyp
             yield record
 
     monkeypatch.setattr(jspec.api.Model, "stream", interrupted)
-    code, _, err = run(capsys, "generate", "--prompts", prompts, "--output", out, "--model", tiny,
-                       "--batch-size", "2", *GEN)
+    code, _, err = run(capsys, "generate", "--prompts", prompts, "--output", out, "--model", tiny, *sampled)
     assert code == 130
     assert seen == [("an earlier, complete output\n", 2)]  # OUT untouched while running
     assert out.read_text() == "an earlier, complete output\n"
-    assert [r["id"] for r in read_jsonl(partial)] == [0, "greeting"]
+    assert [r["id"] for r in read_jsonl(partial)] == first
     assert "Traceback" not in err
     line = err.splitlines()[-1]  # after the progress bar, if the first batch was slow enough to show it
     assert line.startswith("jspec: error: interrupted") and "--resume" in line
 
     monkeypatch.setattr(jspec.api.Model, "stream", stream)
     code, _, err = run(capsys, "generate", "--prompts", prompts, "--output", out, "--model", tiny,
-                       "--batch-size", "2", "--resume", *GEN)
+                       "--resume", *sampled)
     assert code == 0, err
-    assert [r["id"] for r in read_jsonl(out)] == [0, "greeting", 2, 3]
+    assert [untimed(r) for r in read_jsonl(out)] == [untimed(r) for r in reference]
+    assert [r["id"] for r in reference] == [0, "greeting", 2, 3]
     assert not partial.exists()
 
 
@@ -185,6 +195,16 @@ def test_record_writer_drops_only_a_torn_last_line(tmp_path):
 
 
 # -- convert -------------------------------------------------------------------------------------
+
+def test_record_writer_publishes_records_in_prompt_order(tmp_path):
+    out = tmp_path / "out.jsonl"
+    w = RecordWriter(out)
+    w.write([{"id": "b", "text": "line\u2028separator"}, {"id": 0}])  # as batches finished
+    w.write([{"id": 2}])
+    w.finish(order=[0, "b", 2])
+    assert read_jsonl(out) == [{"id": 0}, {"id": "b", "text": "line\u2028separator"}, {"id": 2}]
+    assert [p.name for p in tmp_path.iterdir()] == ["out.jsonl"]
+
 
 def test_convert(capsys, tmp_path):
     torch.manual_seed(0)

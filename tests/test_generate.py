@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import TINY, hf_logits
-from jspec.api import MIN_PROMPT_BUCKET, Model
+from jspec.api import MIN_PROMPT_BUCKET, Model, Request, batches
 from jspec.errors import JspecError
 
 RECORD_FIELDS = {"id", "text", "token_ids", "new_tokens", "prompt_tokens", "seconds", "tokens_per_second", "stats"}
@@ -88,7 +88,7 @@ def test_tiny_greedy_matches_hf_generate(tiny_llama, tiny):
 def test_mixed_length_batch_equals_batch_of_one(tiny_llama, tiny):
     """Rows of very different lengths, rows that stop early (EOS) and rows that run on, and a
     padding row, share batches without disturbing each other: every row equals its batch-1 run."""
-    lengths = [3, 60, 17, 45, 9, 50, 2]  # two batches of 4; the second has a padding row
+    lengths = [3, 60, 17, 45, 9, 50, 2]  # two batches of 4 by length; the second has a padding row
     prompts = token_prompts(lengths, seed=2)
     free = ids(tiny.generate(prompts, max_new_tokens=32))  # no EOS: all run to 32 tokens
     assert len({tuple(t) for t in free}) == len(prompts) and all(len(t) == 32 for t in free)
@@ -105,8 +105,19 @@ def test_mixed_length_batch_equals_batch_of_one(tiny_llama, tiny):
     for row, full in zip(ids(single), free):
         assert row == (full[:full.index(eos) + 1] if eos in full else full)
     assert sum(len(r) < 32 for r in ids(single)) >= 2 and sum(len(r) == 32 for r in ids(single)) >= 2
-    for i, r in enumerate(batched):
+    for i, r in enumerate(batched):  # in prompt order, though they ran in length order
         check_record(r, i, lengths[i])
+
+
+def test_batches_put_similar_lengths_together():
+    requests = [Request(i, [0] * n, i) for i, n in enumerate([3, 60, 17, 45, 9, 50, 2, 17])]
+    lengths = lambda bs: [[len(r.token_ids) for r in b] for b in bs]  # noqa: E731
+    assert lengths(batches(requests, 4)) == [[2, 3, 9, 17], [17, 45, 50, 60]]
+    assert [r.id for r in batches(requests, 4)[0]] == [6, 0, 4, 2]  # equal lengths keep their order
+    assert batches(requests, 1) == [[r] for r in requests]
+    # A run resumed after its first batch was written batches the rest as the whole run did.
+    done = {r.id for r in batches(requests, 3)[0]}
+    assert batches([r for r in requests if r.id not in done], 3) == batches(requests, 3)[1:]
 
 
 def test_sampling_is_seeded(tiny):

@@ -94,7 +94,8 @@ def _shard_path(out: Path, i: int) -> Path:
 
 
 def _write_shard(lm, requests, out, index, teacher, max_prompt, max_new, temperature, batch_size, seed):
-    # Similar lengths batch together: less padding in the answers' prefill.
+    # Sorted as `api.batches` sorts (stably, by length), so the records come back in this order at
+    # any batch size, and the teacher pass below batches similar lengths too.
     requests = sorted(requests, key=lambda r: len(r.token_ids))
     records = list(lm.stream(requests, "ar", max_new_tokens=max_new, batch_size=batch_size,
                              temperature=temperature, seed=seed))

@@ -7,8 +7,9 @@
 
 Prompts of similar length are batched together (`batch_size` rows per compiled call, the last
 batch padded; see `batches`) and right-padded to a length bucket, so a program is compiled once
-per (batch, prompt bucket, max_new_tokens, sampling, method) and never per prompt. Compilation happens before the clock
-starts: `seconds` is the wall time of the batch that produced a record, prefill included.
+per (batch, prompt bucket, max_new_tokens, sampling, method) and never per prompt. Compilation
+happens before the clock starts: `seconds` is the wall time of the batch that produced a
+record, prefill included.
 """
 
 from __future__ import annotations

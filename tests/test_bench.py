@@ -180,8 +180,9 @@ def test_parse_methods():
 
 def test_prompt_files(tmp_path, monkeypatch):
     jspec_file = tmp_path / "p.jsonl"
-    jspec_file.write_text('{"id": "a", "prompt": "hi\u2028there", "category": "x"}\n\n{"prompt": "yo"}\n{"prompt": "z"}\n',
-                          encoding="utf-8")  # a raw line separator inside a string is not a line break
+    # A raw U+2028 (line separator) inside a string is not a line break of the file.
+    jspec_file.write_text('{"id": "a", "prompt": "hi\u2028there", "category": "x"}\n\n'
+                          '{"prompt": "yo"}\n{"prompt": "z"}\n', encoding="utf-8")
     got = bench.read_bench_prompts(jspec_file, limit=1)
     assert [(p["id"], p["category"]) for p in got] == [("a", "x"), (1, "all")]
     assert got[0]["prompt"] == "hi\u2028there"

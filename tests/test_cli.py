@@ -69,7 +69,8 @@ def write_lines(path: Path, *lines) -> Path:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line]  # not splitlines: U+2028
+    lines = path.read_text(encoding="utf-8").split("\n")  # not splitlines: records may hold U+2028
+    return [json.loads(line) for line in lines if line]
 
 
 def untimed(record: dict) -> dict:
@@ -194,8 +195,6 @@ def test_record_writer_drops_only_a_torn_last_line(tmp_path):
         RecordWriter(out, resume=True)
 
 
-# -- convert -------------------------------------------------------------------------------------
-
 def test_record_writer_publishes_records_in_prompt_order(tmp_path):
     out = tmp_path / "out.jsonl"
     w = RecordWriter(out)
@@ -205,6 +204,8 @@ def test_record_writer_publishes_records_in_prompt_order(tmp_path):
     assert read_jsonl(out) == [{"id": 0}, {"id": "b", "text": "line\u2028separator"}, {"id": 2}]
     assert [p.name for p in tmp_path.iterdir()] == ["out.jsonl"]
 
+
+# -- convert -------------------------------------------------------------------------------------
 
 def test_convert(capsys, tmp_path):
     torch.manual_seed(0)

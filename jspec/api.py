@@ -31,6 +31,7 @@ from jspec.engine import loop
 from jspec.errors import JspecError
 from jspec.model import KVCache, param_shapes
 from jspec.sampling import Sampling
+from jspec.tokenizer import Tokenizer
 
 METHODS = methods.METHODS
 MIN_PROMPT_BUCKET = 32
@@ -83,7 +84,7 @@ def batches(requests: Sequence[Request], batch_size: int) -> list[list[Request]]
 
 
 class Model:
-    def __init__(self, cfg: ModelConfig, params, tokenizer=None, mesh=None, name: str = "model"):
+    def __init__(self, cfg: ModelConfig, params, tokenizer: Tokenizer | None = None, mesh=None, name: str = "model"):
         self.cfg, self.params, self.tokenizer, self.mesh, self.name = cfg, params, tokenizer, mesh, name
         self._compiled: dict = {}
         self._caches: dict = {}
@@ -96,14 +97,13 @@ class Model:
         if self.tokenizer is None:
             raise JspecError(f"model {self.name} has no tokenizer: pass token ids instead of text")
         if isinstance(prompt, str) and not chat:
-            return list(self.tokenizer(prompt)["input_ids"])
+            return self.tokenizer.encode(prompt)
         if not chat:
             raise JspecError("chat messages need the chat template; give plain prompts to use --no-chat")
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        if chat and getattr(self.tokenizer, "chat_template", None) is None:
+        if self.tokenizer.chat_template is None:
             raise JspecError(f"model {self.name} has no chat template: use --no-chat")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self.tokenizer.encode_chat(messages)
 
     def requests(self, prompts: Iterable[Prompt], chat: bool = True, start: int = 0) -> list[Request]:
         """Encode prompts; `start` is the index of the first one in the caller's full list."""
@@ -218,7 +218,7 @@ class Model:
 
     def _record(self, req: Request, ids: np.ndarray, stats: dict, seconds: float) -> dict:
         ids = [int(t) for t in ids]
-        text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else None
+        text = self.tokenizer.decode(ids) if self.tokenizer is not None else None
         new = len(ids)
         return {
             "id": req.id,

@@ -17,8 +17,11 @@ LOOKUP_TOKENS = 10
 
 def load(model_arg: str | None, threads: int | None = None):
     """The torch model of the weights jspec read: from the GGUF file, else from the HF folder."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise JspecError("--hf runs Hugging Face transformers on torch: pip install -e '.[test]'") from None
 
     from jspec.convert import cache, store
 
@@ -31,7 +34,7 @@ def load(model_arg: str | None, threads: int | None = None):
     if src.endswith(".gguf"):
         from jspec.convert.gguf import read_gguf
 
-        config, tensors = read_gguf(src)
+        config, tensors, _ = read_gguf(src)
         hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config)).float()
         missing, unexpected = hf.load_state_dict({k: torch.from_numpy(v) for k, v in tensors.items()}, strict=False)
         if hf.config.tie_word_embeddings:

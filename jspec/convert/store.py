@@ -2,7 +2,8 @@
 
     OUT/jspec.json   format version, ModelConfig, dtype, where it came from
     OUT/params/      the parameter pytree, saved with orbax
-    OUT/tokenizer*   the tokenizer and its chat template (transformers' save_pretrained)
+    OUT/tokenizer.json, OUT/tokenizer_config.json
+                     the tokenizer, its special tokens and chat template (`jspec.tokenizer`)
 
 A folder is written under a temporary name and renamed when complete, so an interrupted
 conversion never leaves something that looks like a checkpoint.
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import shutil
 import tempfile
@@ -24,9 +24,10 @@ import jax.numpy as jnp
 from jspec import model
 from jspec.config import ModelConfig
 from jspec.errors import JspecError
+from jspec.tokenizer import Tokenizer
 
-FORMAT = 4
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# 5: jspec's own tokenizer files, loaded without transformers (and SmolLM2 splits digits as it should).
+FORMAT = 5
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -38,35 +39,18 @@ def is_current(path: str | os.PathLike) -> bool:
     return json.loads((Path(path) / "jspec.json").read_text()).get("format") == FORMAT
 
 
-def _read_source(src: str):
+def _read_source(src: str) -> tuple[dict, dict, Tokenizer | None]:
     """(HF config dict, HF-named tensors, tokenizer or None) from a GGUF file or an HF source."""
     if str(src).endswith(".gguf"):
         from jspec.convert.gguf import read_gguf
 
-        hf_config, tensors = read_gguf(src)
-        path = Path(src)
-        tokenizer = _tokenizer_or_none(str(path.parent), gguf_file=path.name)
-    else:
-        from jspec.convert.hf import read_hf, resolve_hf_dir
+        return read_gguf(src)
+    from jspec.convert.hf import read_hf, resolve_hf_dir
 
-        folder = resolve_hf_dir(src)
-        ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))  # refuse early, before the weights
-        hf_config, tensors = read_hf(str(folder))
-        # transformers builds an empty tokenizer for a folder without one; only load real ones.
-        has_tokenizer = any((folder / f).exists() for f in TOKENIZER_FILES)
-        tokenizer = _tokenizer_or_none(str(folder)) if has_tokenizer else None
-    return hf_config, tensors, tokenizer
-
-
-def _tokenizer_or_none(path: str, **kwargs):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path, **kwargs)
-    except (OSError, ValueError, TypeError, KeyError) as e:  # KeyError: a GGUF without a vocabulary
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        logging.getLogger("jspec").warning("no tokenizer found with %s (%s): token ids only", path, reason)
-        return None
+    folder = resolve_hf_dir(src)
+    ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))  # refuse early, before the weights
+    hf_config, tensors = read_hf(str(folder))
+    return hf_config, tensors, Tokenizer.load(folder)
 
 
 def convert(src: str, out: str | os.PathLike, dtype: str = "float32") -> Path:
@@ -87,12 +71,13 @@ def convert(src: str, out: str | os.PathLike, dtype: str = "float32") -> Path:
     return save(out, cfg, params, tokenizer, dtype, str(src))
 
 
-def save(out: str | os.PathLike, cfg: ModelConfig, params, tokenizer, dtype: str, source: str) -> Path:
+def save(out: str | os.PathLike, cfg: ModelConfig, params, tokenizer: Tokenizer | None, dtype: str,
+         source: str) -> Path:
     """Write a checkpoint folder (under a temporary name, renamed when complete)."""
     with writing_folder(out) as tmp:
         save_params(tmp / "params", params)
         if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+            tokenizer.save(tmp)
         meta = {"format": FORMAT, "config": cfg.to_json(), "dtype": dtype, "source": source}
         (tmp / "jspec.json").write_text(json.dumps(meta, indent=1))
     return Path(out)
@@ -142,12 +127,7 @@ def load(path: str | os.PathLike, dtype: str | None = None, shardings=None):
     params = ocp.StandardCheckpointer().restore(path / "params", abstract)
     if dtype is not None and DTYPES[dtype] != stored:
         params = jax.tree.map(lambda x: x.astype(DTYPES[dtype]), params)
-    tokenizer = None
-    if (path / "tokenizer_config.json").exists():
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
-    return cfg, params, tokenizer
+    return cfg, params, Tokenizer.load(path)
 
 
 def read_meta(path: str | os.PathLike) -> tuple[ModelConfig, dict]:

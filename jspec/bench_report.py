@@ -8,11 +8,14 @@ each batch counted once (a row carries its batch's seconds and how many prompts 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
 import statistics
+import sys
 from pathlib import Path
 
 INTRO = ("# Benchmarks\n\nMeasured with `jspec bench` (see `benchmarks/README.md`; `benchmarks/run_all.sh` "
@@ -28,8 +31,6 @@ def markers(section: str) -> tuple[str, str]:
 
 def machine_info() -> dict:
     import jax
-    import torch
-    import transformers
 
     cpu = platform.processor() or platform.machine()
     try:
@@ -40,10 +41,28 @@ def machine_info() -> dict:
     return {"cpu": cpu, "cpus": os.cpu_count(), "usable_cpus": usable, "os": platform.platform(terse=True),
             "python": platform.python_version(), "jax": jax.__version__,
             "jax_device": f"{jax.default_backend()} ({jax.devices()[0].device_kind}) x{jax.device_count()}",
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "transformers": transformers.__version__,
+            **_hf_libraries(),
             "load_average": " ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?",
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def _hf_libraries() -> dict:
+    """Versions of torch and transformers (the HF peers' libraries; jspec needs neither) where installed,
+    and torch's thread count where the peers ran in this process."""
+    found = {}
+    for name in ("torch", "transformers"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            found[name] = importlib.metadata.version(name)
+    if sys.modules.get("torch") is not None:
+        found["torch_threads"] = sys.modules["torch"].get_num_threads()
+    return found
+
+
+def _libraries(m: dict) -> str:
+    """", torch 2.13.0 (2 threads), transformers 5.23.0", or what of it was recorded."""
+    threads = f" ({m['torch_threads']} threads)" if m.get("torch_threads") else ""
+    torch = f", torch {m['torch']}{threads}" if m.get("torch") else ""
+    return torch + (f", transformers {m['transformers']}" if m.get("transformers") else "")
 
 
 def _mean(xs):
@@ -167,8 +186,8 @@ class Report:
             f"tokens; batch {self.main}; median of {a.repeats} timed run(s) after an untimed warm-up of each "
             "compiled shape.",
             f"- Machine: {m['cpu']}, {m['cpus']} CPUs ({m['usable_cpus']} usable), {m['os']}; Python {m['python']}, "
-            f"jax {m['jax']} on {m['jax_device']}, torch {m['torch']} ({m['torch_threads']} threads), "
-            f"transformers {m['transformers']}; load average at the end {m['load_average']}; {m['date']}.",
+            f"jax {m['jax']} on {m['jax_device']}{_libraries(m)}; load average at the end {m['load_average']}; "
+            f"{m['date']}.",
         ])
 
     def console(self) -> str:

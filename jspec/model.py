@@ -44,7 +44,7 @@ from jspec.config import ModelConfig, rope_inv_freq
 
 Params = dict
 PREFILL_BLOCK = 64  # queries per block of prefill attention
-SMALL_ROWS = 64  # from 2 to this many rows on a CPU, linear multiplies and sums instead of a matmul
+SMALL_ROWS = 64  # from 2 to this many float32 rows on a CPU, linear multiplies and sums instead of a matmul
 
 
 @jax.tree_util.register_dataclass
@@ -176,16 +176,28 @@ def linear(x: jax.Array, w: jax.Array, dtype=None) -> jax.Array:
     """x [..., D] times w [N, D] transposed -> [..., N], accumulated in float32 and returned in
     `dtype` (default: x's). Every weight matrix, the LM head included, is read this way.
 
-    On a CPU, 2 to SMALL_ROWS rows (a verification, or a step of a batch) are written as a
-    multiply-and-sum over D instead of a dot: XLA fuses that into one loop over w, while its
-    matmul for so few rows repacks the whole weight first. For SmolLM2's 49152 x 576 head that
-    took 5-6 ms instead of 8 ms at 2 rows and 17 ms at 8 in a microbenchmark on 2 CPU cores.
-    Decode loops of the default model gained up to 64 rows and lost at 96 (docs/design.md)."""
+    bfloat16 is batch invariant: each row gets the same numbers whatever else the forward
+    holds (one row of `ar`, K + 1 verified positions, a batch of 8). Every layer's output is
+    rounded to bfloat16 there, so the last-bit differences between XLA's kernels for different
+    row counts (its one-row kernel against its matmul, the multiply-and-sum below) become whole
+    bfloat16 steps and flip near-tied tokens. So bfloat16 always takes the matmul, and a single
+    row is padded to two: XLA's matmul gives every row the same bits for 2 to 2,048 rows, its
+    one-row kernel does not (docs/design.md, "Batch invariance").
+
+    float32 on a CPU takes the faster path: 2 to SMALL_ROWS rows (a verification, or a step of
+    a batch) are a multiply-and-sum over D, which XLA fuses into one loop over w, where its
+    matmul for so few rows repacks the whole weight first (docs/design.md). Its rounding
+    differences stay near 1e-6 of a logit and have not changed a token in any measured run."""
     dtype = x.dtype if dtype is None else dtype
     rows = math.prod(x.shape[:-1])
+    if x.dtype == jnp.bfloat16:
+        flat = x.reshape(rows, -1)
+        if rows == 1:
+            flat = jnp.concatenate([flat, flat])
+        out = jnp.einsum("md,nd->mn", flat, w, preferred_element_type=jnp.float32)[:rows]
+        return out.reshape(*x.shape[:-1], -1).astype(dtype)
     if 2 <= rows <= SMALL_ROWS and jax.default_backend() == "cpu":
-        # Rows major, so the result needs no transpose: faster than [N, rows] transposed after
-        # (docs/design.md).
+        # Rows major, so the result needs no transpose: faster than [N, rows] transposed after.
         out = jnp.sum(w[None].astype(jnp.float32) * x.reshape(rows, 1, -1).astype(jnp.float32), axis=-1)
         return out.reshape(*x.shape[:-1], -1).astype(dtype)
     return jnp.einsum("...d,nd->...n", x, w, preferred_element_type=jnp.float32).astype(dtype)

@@ -202,6 +202,23 @@ def test_linear_every_row_count_equals_the_matmul(shape):
     assert model.linear(jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16), jnp.float32).dtype == jnp.float32
 
 
+def test_linear_bfloat16_rows_do_not_depend_on_each_other():
+    """In bfloat16 every row of a forward gets the bits it would get alone, whatever the row
+    count: one row of ar, the K + 1 positions of a verification, a batch of 8 x 9. The weight
+    has the default model's MLP shape, where XLA:CPU's one-row kernel rounds differently from
+    its matmul (and from a multiply-and-sum)."""
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((1536, 576)) / 24, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((128, 576)), jnp.bfloat16)
+    read = jax.jit(model.linear)
+    alone = np.stack([np.asarray(read(x[i:i + 1], w))[0] for i in (0, 4, 71)])
+    for rows in (2, 5, 9, 40, 64, 72, 128):
+        together = np.asarray(read(x[:rows], w))
+        for j, i in enumerate((0, 4, 71)):
+            if i < rows:
+                assert (together[i] == alone[j]).all(), (rows, i)
+
+
 # -- running a subset of the layers --------------------------------------------------------------
 
 def hf_without_layers(hf, keep: list[int]):

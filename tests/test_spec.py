@@ -219,6 +219,30 @@ def test_greedy_equals_ar_batch1(spec, drafter, controller):
     check_lossless(spec, records, fixed_model_drafter=controller == "fixed" and drafter != "ngram")
 
 
+# -- bfloat16: the same target, rounded, is just as lossless -------------------------------------
+
+@pytest.fixture(scope="module")
+def spec_bf16(spec) -> Spec:
+    """spec's target, draft model and prompts in bfloat16, with their own ar batch-1 reference.
+    bfloat16 rounds every layer's output, so a forward whose rows got numbers that depend on
+    the forward's other rows (K + 1 verified positions, a batch) would part from ar at near-ties."""
+    cast = lambda m: Model(m.cfg, jax.tree.map(lambda x: x.astype(jnp.bfloat16), m.params), name=m.name)
+    target = cast(spec.target)
+    ar = ids(target.generate(spec.prompts, max_new_tokens=NEW))
+    return dataclasses.replace(spec, target=target, draft=cast(spec.draft), free=None, ar=ar)
+
+
+def test_bfloat16_ar_batch4_equals_batch1(spec_bf16):
+    check_lossless(spec_bf16, spec_bf16.target.generate(spec_bf16.prompts, max_new_tokens=NEW, batch_size=4), k=0)
+
+
+@pytest.mark.parametrize("batch_size", [1, 4])
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
+def test_bfloat16_greedy_equals_ar(spec_bf16, drafter, batch_size):
+    records = run(spec_bf16, drafter, "confidence", batch_size=batch_size)
+    check_lossless(spec_bf16, records)
+
+
 @pytest.mark.parametrize("k", range(1, 9))
 def test_every_draft_length(spec, k):
     """K = 1 .. 8 (the default maximum) under `fixed`: k drafted every round."""

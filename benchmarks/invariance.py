@@ -1,0 +1,68 @@
+"""Is every lossless method token-identical to `ar` at batch 1? Rows identical, and tokens/s.
+
+Runs the default model over held-out-style prompts (the 12 of benchmarks/heldout_prompts.jsonl
+and the first 4 of each ../shared/data/domains file: 36 prompts, none used to train or search
+what ships), greedy, in one process, and prints one Markdown row per method and batch size:
+rows whose tokens equal `ar` at batch 1, and throughput.
+
+    python benchmarks/invariance.py --dtype bfloat16 --max-new-tokens 48
+    python benchmarks/invariance.py --dtype bfloat16 --runs ar:8,eesd:8 --draft-model DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import jspec
+
+HERE = Path(__file__).resolve().parent
+DOMAINS = HERE.parents[1] / "shared" / "data" / "domains"
+RUNS = "ar:8,early-exit:1,eesd:1,kangaroo:1,layer-skip:1,ngram:1,eesd:8"
+
+
+def prompts(per_domain: int) -> list[dict]:
+    rows = [json.loads(line) for line in (HERE / "heldout_prompts.jsonl").read_text().splitlines() if line]
+    for path in sorted(DOMAINS.glob("*.jsonl")):
+        lines = path.read_text().split("\n")
+        rows += [json.loads(line) for line in lines[:per_domain] if line]
+    return [{"id": r["id"], "prompt": r["prompt"]} for r in rows]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--per-domain", type=int, default=4)
+    ap.add_argument("--runs", default=RUNS, help="method:batch_size pairs, compared with ar at batch 1")
+    ap.add_argument("--draft-model", default=None, help="adds --method draft at batch 1 with this model")
+    args = ap.parse_args()
+
+    model = jspec.load(dtype=args.dtype)
+    todo = prompts(args.per_domain)
+    runs = [(m, int(b)) for m, b in (r.split(":") for r in args.runs.split(","))]
+    if args.draft_model:
+        runs.append(("draft", 1))
+
+    def run(method: str, batch: int) -> tuple[list[list[int]], float]:
+        options = {"draft_model": args.draft_model} if method == "draft" else {}
+        model.generate(todo[:batch], method, max_new_tokens=4, batch_size=batch, **options)  # compile
+        t0 = time.perf_counter()
+        records = model.generate(todo, method, max_new_tokens=args.max_new_tokens, batch_size=batch, **options)
+        seconds = time.perf_counter() - t0
+        return [r["token_ids"] for r in records], sum(r["new_tokens"] for r in records) / seconds
+
+    reference, ar_rate = run("ar", 1)
+    print(f"{len(todo)} prompts, {args.max_new_tokens} new tokens, {args.dtype}, greedy\n")
+    print("| method | batch | rows identical to ar batch 1 | tokens/s |\n| --- | ---: | ---: | ---: |")
+    print(f"| ar | 1 | (reference) | {ar_rate:.1f} |", flush=True)
+    for method, batch in runs:
+        tokens, rate = run(method, batch)
+        same = sum(a == b for a, b in zip(tokens, reference))
+        print(f"| {method} | {batch} | {same}/{len(todo)} | {rate:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -29,8 +29,9 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
-from jspec import model
+from jspec import model, sharding
 from jspec.config import ModelConfig
 from jspec.convert import store
 from jspec.errors import JspecError
@@ -119,10 +120,12 @@ def read_meta(path: str | os.PathLike) -> dict:
     return meta
 
 
-def load(path: str | os.PathLike, cfg: ModelConfig) -> tuple[dict, dict]:
-    """(head params, meta) of a saved head, refused unless it was trained for a model like `cfg`."""
-    import orbax.checkpoint as ocp
+def load(path: str | os.PathLike, cfg: ModelConfig, mesh: Mesh | None = None) -> tuple[dict, dict]:
+    """(head params, meta) of a saved head, refused unless it was trained for a model like `cfg`.
 
+    The parameters land where the model lives: split over `mesh` by jspec.sharding's rules when
+    the model is sharded, on the default device otherwise, whatever devices the head was saved from.
+    """
     path = Path(path).absolute()
     meta = read_meta(path)
     want, got = fingerprint(cfg), meta["model"]
@@ -131,4 +134,6 @@ def load(path: str | os.PathLike, cfg: ModelConfig) -> tuple[dict, dict]:
         raise JspecError(f"head {path} was trained for another model: " + ", ".join(diff))
     if not 1 <= meta["exit_layer"] < cfg.num_layers:
         raise JspecError(f"head {path} exits at layer {meta['exit_layer']}, outside this model's layers")
-    return ocp.StandardCheckpointer().restore(path / "params"), meta
+    target = store.saved_tree(path / "params")
+    shardings = sharding.param_shardings(target, mesh) if mesh is not None else None
+    return store.restore(path / "params", target, shardings), meta

@@ -13,7 +13,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jspec import heads
+from jspec import heads, sharding
 from jspec.controllers import make_controller
 from jspec.drafters.draft_model import DraftModel
 from jspec.drafters.early_exit import EarlyExit
@@ -96,7 +96,8 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
         dtype = model.params["embed"].dtype
         dparams = jax.tree.map(lambda x: x if x.dtype == jnp.int32 else x.astype(dtype),
                                heads.draft_params(model.params, hp))
-        return EarlyExit(max_draft=k, exit_layer=meta["exit_layer"], head=heads.Head()), dparams, ctrl
+        drafter = EarlyExit(max_draft=k, exit_layer=meta["exit_layer"], head=heads.Head())
+        return drafter, _placed(dparams, model), ctrl
     if method == "early-exit":
         n = cfg.num_layers // 4 if exit_layer is None else exit_layer
         if not 1 <= n < cfg.num_layers:
@@ -107,13 +108,22 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
     if draft_model.cfg.vocab_size != cfg.vocab_size:
         raise JspecError(f"the draft model's vocabulary ({draft_model.cfg.vocab_size}) differs from the "
                          f"target's ({cfg.vocab_size}); they must share a tokenizer")
-    return DraftModel(draft_cfg=draft_model.cfg, max_draft=k), draft_model.params, ctrl
+    return DraftModel(draft_cfg=draft_model.cfg, max_draft=k), _placed(draft_model.params, model), ctrl
+
+
+def _placed(dparams, model):
+    """Drafter parameters on the target's mesh, split by the same rules (jit refuses arguments on
+    different devices): a draft model is loaded on its own, and a head's gathered LM head rows
+    come out replicated."""
+    if model.mesh is None:
+        return dparams
+    return jax.device_put(dparams, sharding.param_shardings(dparams, model.mesh))
 
 
 @functools.lru_cache(maxsize=8)
-def _read_head(path: str, stamp: int | None, cfg):
-    """heads.load, once per head folder and version: every generate call builds its method."""
-    return heads.load(path, cfg)
+def _read_head(path: str, stamp: int | None, cfg, mesh):
+    """heads.load, once per head folder, version and mesh: every generate call builds its method."""
+    return heads.load(path, cfg, mesh)
 
 
 def _load_head(method: str, model, head: str | None):
@@ -124,7 +134,7 @@ def _load_head(method: str, model, head: str | None):
     if not Path(path).exists():
         raise JspecError(f"head {path} does not exist")
     stamp = (Path(path) / "head.json").stat().st_mtime_ns if (Path(path) / "head.json").exists() else None
-    hp, meta = _read_head(str(Path(path).resolve()), stamp, model.cfg)
+    hp, meta = _read_head(str(Path(path).resolve()), stamp, model.cfg, model.mesh)
     if meta["kind"] != method:
         raise JspecError(f"head {path} is a {meta['kind']} head, not a {method} head")
     return hp, meta

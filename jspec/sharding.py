@@ -1,8 +1,9 @@
 """Sharding over a `Mesh` with a `data` axis (batch rows) and a `model` axis (tensor parallel).
 
-One rules table maps each parameter name to the mesh axis of each of its dimensions. A dimension
-that does not divide evenly by its axis size stays replicated (SmolLM2's 3 kv heads on 4 devices,
-say): correct, only less parallel. jit's sharding propagation does the rest.
+One rules table maps each parameter name (the model's and a draft head's) to the mesh axis of each
+of its dimensions. A dimension that does not divide evenly by its axis size stays replicated
+(SmolLM2's 3 kv heads on 4 devices, say): correct, only less parallel. jit's sharding propagation
+does the rest.
 """
 
 from __future__ import annotations
@@ -28,6 +29,13 @@ RULES: dict[str, tuple[str | None, ...]] = {
     "wo": (None, "model"),
     "w_gate_up": ("model", None),
     "w_down": (None, "model"),
+    # A trained draft head (jspec.heads): its layer's weights share the names above and split the
+    # same way; its `lm_head` is the LM head's rows of the draft vocabulary [M, D], split over M
+    # like the full head. Its final `norm` [D] is replicated like the model's, and so is `vocab`
+    # [M]: the gather and the scatter of draft logits index with all of it on every device
+    # (M int32s, 32 KiB for 8,192 tokens).
+    "norm": (None,),
+    "vocab": (None,),
 }
 # KV cache per layer [B, S, K, H]: rows over data, kv heads over model.
 CACHE_RULE = ("data", None, "model", None)

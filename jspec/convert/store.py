@@ -109,22 +109,46 @@ def save_params(path: Path, params) -> None:
     ckpt.wait_until_finished()
 
 
+def restore(path: Path, target, shardings=None):
+    """Restore the orbax pytree at `path` as `target` describes it (arrays or jax.ShapeDtypeStructs:
+    the tree, shapes and dtypes), each leaf onto its `jax.sharding.Sharding` in `shardings` (a
+    matching pytree), or onto the default device when `shardings` is None.
+
+    Never onto the sharding the checkpoint recorded: that names the devices it was saved from
+    (cpu:0, or a mesh of 8), which another machine may lack (orbax's "Topology mismatch" on a GPU)
+    and which need not be where the model lives now.
+    """
+    import orbax.checkpoint as ocp
+
+    if shardings is None:
+        default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: default, target)
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), target, shardings)
+    return ocp.StandardCheckpointer().restore(Path(path).absolute(), abstract)
+
+
+def saved_tree(path: Path):
+    """The tree of jax.ShapeDtypeStructs an orbax checkpoint holds (from its metadata), for a
+    `restore` target whose shapes are not known in advance (a head's draft vocabulary)."""
+    import orbax.checkpoint as ocp
+
+    tree = ocp.StandardCheckpointer().metadata(Path(path).absolute()).item_metadata.tree
+    return jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree)
+
+
 def load(path: str | os.PathLike, dtype: str | None = None, shardings=None):
     """Load a converted checkpoint: (ModelConfig, params, tokenizer or None).
 
     `dtype` casts on load (e.g. a float32 checkpoint run in bfloat16); `shardings`, a pytree of
-    `jax.sharding.Sharding` matching the parameters, places each array directly where it lives.
+    `jax.sharding.Sharding` matching the parameters, places each array directly where it lives
+    (None: on the default device).
     """
-    import orbax.checkpoint as ocp
-
     path = Path(path).absolute()
     cfg, meta = read_meta(path)
     stored = DTYPES[meta["dtype"]]
-    abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, stored), model.param_shapes(cfg),
-                            is_leaf=lambda x: isinstance(x, tuple))
-    if shardings is not None:
-        abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    params = ocp.StandardCheckpointer().restore(path / "params", abstract)
+    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, stored), model.param_shapes(cfg),
+                          is_leaf=lambda x: isinstance(x, tuple))
+    params = restore(path / "params", target, shardings)
     if dtype is not None and DTYPES[dtype] != stored:
         params = jax.tree.map(lambda x: x.astype(DTYPES[dtype]), params)
     return cfg, params, Tokenizer.load(path)

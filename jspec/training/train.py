@@ -11,15 +11,17 @@ Optimiser: AdamW with linear warmup, cosine decay to a tenth and global-norm cli
 Held-out sequences (`eval_fraction`, chosen by seed) give top-1 agreement with the target and
 the expected acceptance sum_x min(p(x), q(x)) of one drafted token.
 
-Checkpoints (orbax) go to OUT.train/ every `save_every` steps and when interrupted; rerunning
-the same command resumes from the latest one. The batch of step s depends only on s and the
-seed, so a resumed run computes what an uninterrupted one would.
+Checkpoints (orbax, one folder per step, the latest KEEP kept) go to OUT.train/ every
+`save_every` steps and when interrupted; rerunning the same command resumes from the latest one.
+The batch of step s depends only on s and the seed, so a resumed run computes what an
+uninterrupted one would.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -30,8 +32,11 @@ import optax
 
 from jspec import heads
 from jspec import model as M
+from jspec.convert import store
 from jspec.errors import JspecError
 from jspec.training import distill
+
+KEEP = 2  # checkpoints kept in OUT.train/
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +144,6 @@ def train(lm, data_dir, out, recipe: Recipe, progress: bool = True, on_step=None
     Returns (the head folder, the summary written into its head.json).
     """
     from tqdm import tqdm
-    import orbax.checkpoint as ocp
 
     recipe.check()
     cfg, params = lm.cfg, lm.params
@@ -181,22 +185,23 @@ def train(lm, data_dir, out, recipe: Recipe, progress: bool = True, on_step=None
 
     ckpt_dir = Path(str(Path(out).absolute()) + ".train")
     state = {"params": trainable, "opt_state": opt.init(trainable)}
-    manager = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(max_to_keep=2))
     info_path = ckpt_dir / "recipe.json"
     info = {"recipe": dataclasses.asdict(recipe), "data": str(Path(data_dir).absolute()), "sequences": n}
     start, wall = 0, 0.0
-    if manager.latest_step() is not None:
+    if saved_steps(ckpt_dir):
         saved = json.loads(info_path.read_text()) if info_path.exists() else {}
         if saved.get("recipe") != info["recipe"] or saved.get("data") != info["data"]:
             raise JspecError(f"{ckpt_dir} holds a run with other settings; remove it or use another --out")
-        start = manager.latest_step()
-        state = manager.restore(start, args=ocp.args.StandardRestore(state))
+        start = saved_steps(ckpt_dir)[-1]
+        # Onto the devices of the fresh state (the model's), whatever the checkpoint was saved from.
+        state = store.restore(ckpt_dir / str(start), state, jax.tree.map(lambda x: x.sharding, state))
         wall = saved.get("wall_seconds", 0.0)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
 
     def save(step: int, seconds: float) -> None:
-        manager.save(step, args=ocp.args.StandardSave(state), force=True)
-        manager.wait_until_finished()
+        store.save_params(ckpt_dir / str(step), state)
+        for old in saved_steps(ckpt_dir)[:-KEEP]:
+            shutil.rmtree(ckpt_dir / str(old))
         info_path.write_text(json.dumps({**info, "wall_seconds": seconds}))
 
     per_epoch = len(train_rows) // recipe.batch_size
@@ -222,7 +227,7 @@ def train(lm, data_dir, out, recipe: Recipe, progress: bool = True, on_step=None
                 if step % recipe.save_every == 0 or step == recipe.steps:
                     save(step, wall + time.perf_counter() - t0)
     except KeyboardInterrupt:
-        if step > (manager.latest_step() or 0):
+        if step > max(saved_steps(ckpt_dir), default=0):
             save(step, wall + time.perf_counter() - t0)
         raise
     wall += time.perf_counter() - t0
@@ -235,6 +240,12 @@ def train(lm, data_dir, out, recipe: Recipe, progress: bool = True, on_step=None
             "model_name": lm.name, "draft_vocab": int(len(vocab)), "training": summary}
     path = heads.save(out, {**state["params"], "vocab": hp["vocab"]}, meta)
     return path, summary
+
+
+def saved_steps(ckpt_dir: Path) -> list[int]:
+    """The steps checkpointed in OUT.train/, oldest first. Each is a complete orbax folder named
+    by its step: orbax writes it under a temporary name and renames it when done."""
+    return sorted(int(p.name) for p in ckpt_dir.glob("*") if p.name.isdigit())
 
 
 def _evaluate(evaluate, tr, arrays: dict, rows: np.ndarray, batch_size: int) -> dict:

@@ -1,7 +1,8 @@
-"""The `jspec` command line: generate, convert, bench, distill-data, train-head.
+"""The `jspec` command line: generate, compare, convert, bench, distill-data, train-head.
 
     jspec generate "Name three primes."                       # the answer on stdout, speed on stderr
     jspec generate --prompts in.jsonl --output out.jsonl     # one record per prompt, resumable
+    jspec compare ar.jsonl spec.jsonl --prompts in.jsonl      # where two outputs differ, and why
     jspec convert model.gguf converted/                       # convert once, load fast
     jspec bench ...                                           # see jspec/bench.py
     jspec distill-data --out data/                            # the target's own answers, for heads
@@ -10,6 +11,7 @@
 Every user or input error ends as one line, `jspec: error: ...`, on stderr, with exit status 2
 (1 for other I/O failures, 130 on Ctrl-C): no tracebacks. Cheap checks run before the model is
 loaded, so bad input fails in a second. Set JSPEC_DEBUG=1 to see the traceback anyway.
+`jspec compare` also exits 1 when the outputs differ, like `diff`.
 """
 
 from __future__ import annotations
@@ -247,6 +249,57 @@ def _generate_file(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- compare -------------------------------------------------------------------------------------
+
+def _add_compare(sub) -> None:
+    from jspec.compare import TIE
+
+    p = sub.add_parser(
+        "compare", help="compare two outputs of the same prompts; say whether they differ by a near-tie",
+        description="Compare two outputs of `jspec generate --prompts` row by row (matched by id). For each "
+                    "row that differs, print the first differing generated token of each and, with --prompts, "
+                    "the target model's logits there (a teacher-forced forward in --dtype, float32 unless told "
+                    "otherwise, over the prompt and the tokens both outputs share): the logit of A's token "
+                    "minus B's, their ranks and probabilities, and a verdict, near-tie or DIFFERS. Exit "
+                    "status: 0 when all rows are identical, 1 when some differ, 2 on bad input.")
+    p.add_argument("a", metavar="A.jsonl", help="one output, say the reference (--method ar, float32)")
+    p.add_argument("b", metavar="B.jsonl", help="the other output")
+    p.add_argument("--prompts", metavar="IN.jsonl",
+                   help="the prompts that produced both outputs; the logit gaps need them (and the model)")
+    p.add_argument("--no-chat", action="store_true", help="the outputs were generated with --no-chat")
+    p.add_argument("--tie", type=float, default=TIE, metavar="LOGITS",
+                   help="two tokens whose target logits are closer than this are a near-tie, which rounding "
+                        "may flip: bfloat16 moves the gap between the default model's top two tokens by less "
+                        "than 0.25 at 99%% of positions (default: %(default)s)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object per differing row instead of a line (the summary goes to stderr)")
+    add_model_options(p)
+    p.set_defaults(func=cmd_compare)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from jspec import compare
+    from jspec.jsonl import read_prompts, read_records
+
+    if not (math.isfinite(args.tie) and args.tie >= 0):
+        raise JspecError(f"--tie must be a number >= 0, got {args.tie}")
+    if args.prompts is None and (args.model is not None or args.mesh is not None or args.no_chat):
+        raise _UsageError("--model, --mesh and --no-chat go with --prompts IN.jsonl")
+    a, b = read_records(args.a), read_records(args.b)
+    prompts = read_prompts(args.prompts) if args.prompts is not None else None
+    rows = compare.differences(a, b)
+    if rows and prompts is not None:  # the model only loads when there is something to score
+        rows = compare.compare(load_model(args), a, b, prompts, chat=not args.no_chat, tie=args.tie)
+    for row in rows:
+        print(json.dumps(dataclasses.asdict(row), ensure_ascii=False) if args.json else compare.describe(row))
+    total = len({r["id"] for r in a} | {r["id"] for r in b})
+    print(compare.summary(rows, total, args.tie), file=sys.stderr if args.json else sys.stdout)
+    return 1 if rows else 0
+
+
 # -- convert -------------------------------------------------------------------------------------
 
 def _add_convert(sub) -> None:
@@ -402,6 +455,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"jspec {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_generate(sub)
+    _add_compare(sub)
     _add_convert(sub)
     _add_distill(sub)
     _add_train_head(sub)

@@ -7,6 +7,7 @@ Records go to `OUT.partial`, appended and fsynced batch by batch as the batches 
 `finish()` puts them in the prompts' order and renames the file to `OUT` atomically. An
 interrupted run leaves `OUT` untouched and the partial file in place, and
 `RecordWriter(OUT, resume=True)` keeps what it holds, so the next run only does the rest.
+`read_records` reads an output back (for `jspec compare`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from jspec.errors import JspecError
 
@@ -25,31 +26,10 @@ def _short(e: Exception) -> str:
 
 def read_prompts(path: str | os.PathLike) -> list[dict]:
     """The prompts of a JSONL file, as dicts with `id` and `prompt` or `messages`, in file order."""
-    path = Path(path)
-    if not path.exists():
-        raise JspecError(f"prompts file {path} does not exist")
-    if path.is_dir():
-        raise JspecError(f"prompts file {path} is a directory")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise JspecError(f"prompts file {path} is not UTF-8 text ({_short(e)})") from None
     prompts: list[dict] = []
     seen: dict[Any, int] = {}
-    for lineno, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        where = f"{path} line {lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise JspecError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(obj, dict):
-            raise JspecError(f"{where}: expected a JSON object with \"prompt\" or \"messages\", "
-                             f"got {type(obj).__name__}")
-        prompt = {"id": obj.get("id", len(prompts))}
-        if isinstance(prompt["id"], bool) or not isinstance(prompt["id"], (str, int)):
-            raise JspecError(f"{where}: \"id\" must be a string or an integer, got {json.dumps(prompt['id'])}")
+    for lineno, where, obj in _objects(path, "prompts", 'with "prompt" or "messages"'):
+        prompt = {"id": _check_id(obj.get("id", len(prompts)), where, lineno, seen)}
         if "prompt" in obj:
             if not isinstance(obj["prompt"], str):
                 raise JspecError(f"{where}: \"prompt\" must be a string")
@@ -60,13 +40,64 @@ def read_prompts(path: str | os.PathLike) -> list[dict]:
             prompt["messages"] = _check_messages(obj["messages"], where)
         else:
             raise JspecError(f"{where}: has neither \"prompt\" nor \"messages\"")
-        if prompt["id"] in seen:
-            raise JspecError(f"{where}: duplicate id {json.dumps(prompt['id'])} (first on line {seen[prompt['id']]})")
-        seen[prompt["id"]] = lineno
         prompts.append(prompt)
     if not prompts:
         raise JspecError(f"prompts file {path} has no prompts")
     return prompts
+
+
+def read_records(path: str | os.PathLike) -> list[dict]:
+    """The records of a `jspec generate` output file, in file order; each has an `id` and its
+    generated `token_ids` (a list of token ids), checked here, and whatever else it holds."""
+    records: list[dict] = []
+    seen: dict[Any, int] = {}
+    for lineno, where, obj in _objects(path, "records", 'with "id" and "token_ids"'):
+        for field in ("id", "token_ids"):
+            if field not in obj:
+                raise JspecError(f"{where}: has no \"{field}\"")
+        _check_id(obj["id"], where, lineno, seen)
+        ids = obj["token_ids"]
+        if not (isinstance(ids, list) and all(type(t) is int and t >= 0 for t in ids)):
+            raise JspecError(f"{where}: \"token_ids\" must be a list of token ids (integers >= 0)")
+        records.append(obj)
+    if not records:
+        raise JspecError(f"records file {path} has no records")
+    return records
+
+
+def _objects(path: str | os.PathLike, kind: str, expected: str) -> Iterator[tuple[int, str, dict]]:
+    """(line number, `PATH line N`, object) for each non-blank line of a JSONL file of `kind`
+    ("prompts", "records"); `expected` says what an object holds, for a line that holds none."""
+    path = Path(path)
+    if not path.exists():
+        raise JspecError(f"{kind} file {path} does not exist")
+    if path.is_dir():
+        raise JspecError(f"{kind} file {path} is a directory")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise JspecError(f"{kind} file {path} is not UTF-8 text ({_short(e)})") from None
+    for lineno, line in enumerate(text.split("\n"), start=1):  # not splitlines: text may hold U+2028
+        if not line.strip():
+            continue
+        where = f"{path} line {lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise JspecError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(obj, dict):
+            raise JspecError(f"{where}: expected a JSON object {expected}, got {type(obj).__name__}")
+        yield lineno, where, obj
+
+
+def _check_id(value: Any, where: str, lineno: int, seen: dict[Any, int]) -> Any:
+    """A string or integer id not seen before in the file (`seen` maps ids to their lines)."""
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise JspecError(f"{where}: \"id\" must be a string or an integer, got {json.dumps(value)}")
+    if value in seen:
+        raise JspecError(f"{where}: duplicate id {json.dumps(value)} (first on line {seen[value]})")
+    seen[value] = lineno
+    return value
 
 
 def _check_messages(messages: Any, where: str) -> list[dict]:

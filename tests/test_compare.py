@@ -15,7 +15,7 @@ from conftest import hf_logits
 from jspec import model as M
 from jspec.compare import DIFFERS, NEAR_TIE, Row, compare
 from jspec.jsonl import read_prompts
-from test_cli import PROMPTS, assert_one_error, read_jsonl, run, tiny, tokenizer, write_lines  # noqa: F401
+from test_cli import PROMPTS, assert_one_error, read_jsonl, run, tiny, write_lines  # noqa: F401
 
 
 def test_compare_finds_the_first_difference_and_the_target_gap(tiny_llama):

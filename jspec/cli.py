@@ -385,7 +385,7 @@ def _add_train_head(sub) -> None:
     r = Recipe()
     p = sub.add_parser(
         "train-head", help="train an EESD exit layer or a Kangaroo adapter on distillation data",
-        description="Train a draft head on the data of `jspec distill-data`, checkpointing under OUT/train "
+        description="Train a draft head on the data of `jspec distill-data`, checkpointing under OUT.train "
                     "(rerunning the same command resumes), then save the head to OUT.")
     p.add_argument("--kind", required=True, choices=KINDS)
     p.add_argument("--exit-layer", type=int, required=True, metavar="N", help="draft from the first N layers")

@@ -176,7 +176,7 @@ def test_parse_methods():
     assert bench.parse_batch_sizes("8,1,8") == [1, 8]
 
 
-def test_prompt_files(tmp_path, monkeypatch):
+def test_prompt_files(tmp_path):
     jspec_file = tmp_path / "p.jsonl"
     # A raw U+2028 (line separator) inside a string is not a line break of the file.
     jspec_file.write_text('{"id": "a", "prompt": "hi\u2028there", "category": "x"}\n\n'
@@ -188,10 +188,6 @@ def test_prompt_files(tmp_path, monkeypatch):
     spec.write_text(json.dumps({"question_id": 7, "category": "qa", "turns": []}) + "\n")
     with pytest.raises(JspecError, match="turns"):
         bench.read_bench_prompts(spec)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(bench, "SPEC_BENCH", Path("nowhere", "spec_bench.jsonl"))
-    with pytest.raises(JspecError, match="pass --prompts FILE"):
-        bench.default_prompts()
 
 
 def test_machine_info_needs_neither_torch_nor_transformers(monkeypatch):

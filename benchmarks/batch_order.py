@@ -14,7 +14,7 @@ import argparse
 import statistics
 
 import jspec
-from jspec import bench
+from jspec import bench, prompt_sets
 from jspec.api import batches
 
 
@@ -40,7 +40,7 @@ def main() -> None:
     args = ap.parse_args()
 
     model = jspec.load()
-    requests = model.requests(bench.read_bench_prompts(bench.default_prompts(), args.limit))
+    requests = model.requests(bench.read_bench_prompts(prompt_sets.resolve(prompt_sets.SPEC_BENCH), args.limit))
     b = args.batch_size
     orders = {"file order": [requests[i:i + b] for i in range(0, len(requests), b)],
               "by length": batches(requests, b)}  # each chunk is one batch

@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 # assisted modes as peers; throughput of ar at batch sizes 1 and 8. About 35 minutes here.
 jspec bench \
     --methods "ar,ngram,ngram:max_draft=4,layer-skip,early-exit,draft:draft_model=build/smollm2-135m-draft" \
-    --prompts ../shared/data/spec_bench.jsonl --limit 2 \
+    --limit 2 \
     --max-new-tokens 64 --batch-size 1 --batch-sizes 1,8 --batch-methods ar \
     --hf --hf-assisted \
     --output benchmarks/results.jsonl --resume \
@@ -28,7 +28,7 @@ jspec bench \
 # report section ("heads"); benchmarks/ship_head.py writes the heads' cards from these rows.
 jspec bench \
     --methods "ar,eesd,kangaroo,eesd:max_draft=4,eesd:max_draft=4;controller=fixed,eesd:max_draft=4;controller=confidence" \
-    --prompts ../shared/data/spec_bench.jsonl --limit 1 \
+    --limit 1 \
     --max-new-tokens 128 --batch-size 1 --batch-sizes 1,8 --batch-methods ar,eesd,kangaroo \
     --hf \
     --output benchmarks/results_heads.jsonl --resume \

@@ -11,6 +11,7 @@ A comma followed by something that is not a method name continues a list value (
 whole spec labels the method in the results. `ar`, the baseline and the lossless reference, is
 added when missing and always runs first.
 
+The prompts default to Spec-Bench's questions, which ship with jspec (`jspec.prompt_sets`).
 Protocol (Spec-Bench): the first turn of each question with the chat template, greedy, batch 1;
 tokens/s is averaged over questions, speedup = method / jspec `ar` in the same run, and mean
 accepted tokens counts the bonus token. Every new compiled shape is warmed up (run once,
@@ -35,10 +36,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from jspec import methods
+from jspec import methods, prompt_sets
 from jspec.errors import JspecError
 
-SPEC_BENCH = Path("..", "shared", "data", "spec_bench.jsonl")
 OPTIONS = tuple(n for n, p in inspect.signature(methods.build).parameters.items() if p.kind is p.KEYWORD_ONLY)
 _NAME = re.compile(r"[A-Za-z][\w-]*(:|$)")
 log = logging.getLogger("jspec")
@@ -118,26 +118,15 @@ def parse_batch_sizes(text: str | None) -> list[int]:
 
 # -- prompts ---------------------------------------------------------------------------------------
 
-def default_prompts() -> Path:
-    roots = (Path.cwd(), Path(__file__).resolve().parent.parent)
-    for root in roots:
-        if (root / SPEC_BENCH).is_file():
-            return root / SPEC_BENCH
-    raise JspecError(f"no --prompts given, and the Spec-Bench file {SPEC_BENCH} is not found from "
-                     f"{' or '.join(str(r) for r in roots)}; pass --prompts FILE")
-
-
-def read_bench_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
+def read_bench_prompts(path, limit: int | None = None) -> list[dict]:
     """Spec-Bench rows (`question_id`, `category`, `turns`: the first turn is the prompt) or jspec
-    prompt rows (`id`, `prompt` or `messages`, optional `category`, default "all"); `limit` keeps
-    the first `limit` of each category, in file order."""
+    prompt rows (`id`, `prompt` or `messages`, optional `category`, default "all"), from a path (.gz
+    too) or a shipped set's file (`prompt_sets.resolve`); `limit` keeps the first `limit` of each
+    category, in file order."""
     from jspec.jsonl import read_prompts
 
-    path = Path(path)
-    if not path.is_file():
-        raise JspecError(f"prompts file {path} does not exist" + (" (it is a directory)" if path.is_dir() else ""))
     rows = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):  # not splitlines: U+2028
+    for lineno, line in enumerate(prompt_sets.read_text(path).split("\n"), 1):  # not splitlines: U+2028
         if line.strip():
             try:
                 rows.append((lineno, json.loads(line)))
@@ -257,8 +246,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--methods", default="ar,ngram,layer-skip,early-exit", metavar="LIST",
                    help="comma-separated methods, each optionally name:key=value;key=value; ar is always run "
                         "first (default: %(default)s)")
-    g.add_argument("--prompts", default=None, metavar="FILE",
-                   help=f"Spec-Bench question.jsonl or a jspec prompt file (default: {SPEC_BENCH})")
+    g.add_argument("--prompts", default=prompt_sets.SPEC_BENCH, metavar="FILE",
+                   help="Spec-Bench question.jsonl or a jspec prompt file (.gz too), or the name of a prompt "
+                        f"set jspec ships: {', '.join(prompt_sets.SETS)} (default: %(default)s, Spec-Bench)")
     g.add_argument("--limit", type=int, default=None, metavar="N", help="the first N questions of each category")
     g.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="(default: %(default)s)")
     g.add_argument("--batch-size", type=int, default=1, metavar="B",
@@ -320,8 +310,7 @@ def main(args) -> int:
     hf_methods = list(bench_hf.METHODS if args.hf_assisted else bench_hf.METHODS[:1] if args.hf else ())
     if hf_methods and args.batch_size != 1:
         raise JspecError("--hf compares at batch size 1: use --batch-size 1 (and --batch-sizes for the others)")
-    prompts_path = Path(args.prompts) if args.prompts else default_prompts()
-    prompts = read_bench_prompts(prompts_path, args.limit)
+    prompts = read_bench_prompts(prompt_sets.resolve(args.prompts), args.limit)
 
     from jspec.convert.cache import DEFAULT_MODEL
 

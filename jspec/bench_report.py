@@ -178,7 +178,7 @@ class Report:
         a, m = self.args, self.machine
         n, cats = len(self.prompts), len(self.categories)
         per = f"the first {a.limit} of each of {cats} categories" if a.limit else f"{cats} categories"
-        prompts = Path(a.prompts).name if a.prompts else "spec_bench.jsonl"
+        prompts = Path(a.prompts).name
         return "\n".join([
             f"- Command: `{self.command}`",
             f"- Model: {self.model_name} ({a.dtype}); prompts: `{prompts}`, {n} questions ({per}), first turn, "

@@ -25,6 +25,7 @@ import sys
 import time
 from typing import Sequence
 
+from jspec import prompt_sets
 from jspec.errors import JspecError
 
 PROG = "jspec"
@@ -335,16 +336,15 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 # -- distill-data, train-head -------------------------------------------------------------------
 
-TRAIN_PROMPTS = os.path.join("..", "shared", "data", "train_prompts.jsonl")
-
-
 def _add_distill(sub) -> None:
     p = sub.add_parser(
         "distill-data", help="record the model's own answers and distributions for training draft heads",
         description="Let the model answer training prompts and store its answers and top-k next-token "
                     "log-probabilities in shards under OUT. Rerunning the same command resumes.")
-    p.add_argument("--prompts", default=TRAIN_PROMPTS, metavar="IN.jsonl",
-                   help="training prompts (default: %(default)s); never the evaluation set")
+    p.add_argument("--prompts", default=prompt_sets.TRAIN_PROMPTS, metavar="IN.jsonl",
+                   help="training prompts: a file (.gz too) or a prompt set jspec ships, one of "
+                        f"{', '.join(s for s in prompt_sets.SETS if s != prompt_sets.SPEC_BENCH)} "
+                        "(default: %(default)s); never the evaluation set")
     p.add_argument("--out", required=True, metavar="DIR", help="the data folder")
     p.add_argument("--count", type=int, default=512, help="prompts to answer (default: %(default)s)")
     p.add_argument("--max-prompt-tokens", type=int, default=256, metavar="N",
@@ -366,9 +366,10 @@ def cmd_distill(args: argparse.Namespace) -> int:
     from jspec.jsonl import read_prompts
     from jspec.training import distill
 
-    if os.path.basename(args.prompts) == "spec_bench.jsonl":
-        raise JspecError("spec_bench.jsonl is the evaluation set: distill from training prompts")
-    prompts = read_prompts(args.prompts)
+    source = prompt_sets.resolve(args.prompts)
+    if source.name in ("spec_bench.jsonl", "spec_bench.jsonl.gz"):
+        raise JspecError("spec_bench is the evaluation set: distill from training prompts")
+    prompts = read_prompts(source)
     model = load_model(args)
     out = distill.make(model, prompts, args.out, count=args.count, max_prompt_tokens=args.max_prompt_tokens,
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,

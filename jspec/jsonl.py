@@ -2,6 +2,7 @@
 
 Prompts: one JSON object a line, with `prompt` (a string) or `messages` (a list of
 {role, content}), and optionally `id` (default: the 0-based index among the prompt lines).
+A file whose name ends in .gz is read gzip-compressed.
 
 Records go to `OUT.partial`, appended and fsynced batch by batch as the batches finish;
 `finish()` puts them in the prompts' order and renames the file to `OUT` atomically. An
@@ -17,15 +18,13 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
+from jspec import prompt_sets
 from jspec.errors import JspecError
 
 
-def _short(e: Exception) -> str:
-    return str(e).splitlines()[0] if str(e) else type(e).__name__
-
-
-def read_prompts(path: str | os.PathLike) -> list[dict]:
-    """The prompts of a JSONL file, as dicts with `id` and `prompt` or `messages`, in file order."""
+def read_prompts(path) -> list[dict]:
+    """The prompts of a JSONL file (a path, .gz too, or a shipped set's file from
+    `prompt_sets.resolve`), as dicts with `id` and `prompt` or `messages`, in file order."""
     prompts: list[dict] = []
     seen: dict[Any, int] = {}
     for lineno, where, obj in _objects(path, "prompts", 'with "prompt" or "messages"'):
@@ -65,18 +64,11 @@ def read_records(path: str | os.PathLike) -> list[dict]:
     return records
 
 
-def _objects(path: str | os.PathLike, kind: str, expected: str) -> Iterator[tuple[int, str, dict]]:
+def _objects(path, kind: str, expected: str) -> Iterator[tuple[int, str, dict]]:
     """(line number, `PATH line N`, object) for each non-blank line of a JSONL file of `kind`
-    ("prompts", "records"); `expected` says what an object holds, for a line that holds none."""
-    path = Path(path)
-    if not path.exists():
-        raise JspecError(f"{kind} file {path} does not exist")
-    if path.is_dir():
-        raise JspecError(f"{kind} file {path} is a directory")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise JspecError(f"{kind} file {path} is not UTF-8 text ({_short(e)})") from None
+    ("prompts", "records"), gzip-compressed or not, or of a shipped prompt set (`prompt_sets.resolve`);
+    `expected` says what an object holds, for a line that holds none."""
+    text = prompt_sets.read_text(path, kind)
     for lineno, line in enumerate(text.split("\n"), start=1):  # not splitlines: text may hold U+2028
         if not line.strip():
             continue

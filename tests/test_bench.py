@@ -1,16 +1,23 @@
 """`jspec bench` on a tiny random Llama (with SmolLM2's tokenizer) and a small Spec-Bench-style file:
-result rows, resume, the Markdown report between its markers, plots, HF peers, one-line errors."""
+result rows, resume, the Markdown report between its markers, plots, HF peers, one-line errors;
+benchmarks/accelerator.sh shrunk to the same model on the CPU."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
+import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 from conftest import tiny_hf_model
-from jspec import bench, bench_report
+from jspec import api, bench, bench_report, heads, methods
 from jspec.cli import main
 from jspec.convert import store
 from jspec.errors import JspecError
@@ -22,6 +29,7 @@ QUESTIONS = [
     {"question_id": 4, "category": "qa", "turns": ["What is the capital of France?"]},
 ]
 KEPT = [1, 2, 4]  # --limit 2: two questions per category, in file order
+ACCELERATOR_SH = Path(__file__).resolve().parents[1] / "benchmarks" / "accelerator.sh"
 OUTER = ("# Benchmarks\n\nhand-written intro\n\n<!-- bench:begin -->\nold table\n<!-- bench:end -->\n\n"
          "hand-written outro\n")
 
@@ -176,7 +184,7 @@ def test_parse_methods():
     assert bench.parse_batch_sizes("8,1,8") == [1, 8]
 
 
-def test_prompt_files(tmp_path, monkeypatch):
+def test_prompt_files(tmp_path):
     jspec_file = tmp_path / "p.jsonl"
     # A raw U+2028 (line separator) inside a string is not a line break of the file.
     jspec_file.write_text('{"id": "a", "prompt": "hi\u2028there", "category": "x"}\n\n'
@@ -188,10 +196,6 @@ def test_prompt_files(tmp_path, monkeypatch):
     spec.write_text(json.dumps({"question_id": 7, "category": "qa", "turns": []}) + "\n")
     with pytest.raises(JspecError, match="turns"):
         bench.read_bench_prompts(spec)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(bench, "SPEC_BENCH", Path("nowhere", "spec_bench.jsonl"))
-    with pytest.raises(JspecError, match="pass --prompts FILE"):
-        bench.default_prompts()
 
 
 def test_machine_info_needs_neither_torch_nor_transformers(monkeypatch):
@@ -205,3 +209,45 @@ def test_machine_info_needs_neither_torch_nor_transformers(monkeypatch):
     assert bench_report._libraries(info) == ""
     assert bench_report._libraries({"torch": "2.13.0", "torch_threads": 2, "transformers": "5.23.0"}) == \
         ", torch 2.13.0 (2 threads), transformers 5.23.0"
+
+
+def test_accelerator_script_runs_every_method():
+    """Its default --methods names every method jspec has, each once, with its defaults."""
+    line = next(x for x in ACCELERATOR_SH.read_text().splitlines() if x.startswith("METHODS="))
+    default = re.fullmatch(r'METHODS=\$\{METHODS:-"(.*)"\}', line).group(1)
+    specs = bench.parse_methods(default.replace("$DRAFT", "build/draft"))
+    assert sorted(s.name for s in specs) == sorted(methods.METHODS)
+    assert [s.options for s in specs if s.name != "draft"] == [()] * (len(specs) - 1)
+
+
+@pytest.mark.slow  # about 80 s on 2 cores: 7 methods x 2 batch sizes compile
+def test_accelerator_script_on_cpu(tiny, tmp_path):
+    """benchmarks/accelerator.sh shrunk by its environment (the tiny model, untrained heads, the
+    model as its own draft model, 2 prompts, 3 tokens): the page names the device and the date and
+    has a row for every method at batch 1 and 8."""
+    bindir = Path(sys.executable).parent
+    if shutil.which("jspec", path=str(bindir)) is None:
+        pytest.skip(f"no jspec script beside {sys.executable} for benchmarks/accelerator.sh to run")
+    model = api.load(tiny)
+    vocab = np.arange(model.cfg.vocab_size, dtype=np.int32)
+    head = {kind: heads.save(tmp_path / kind, heads.init(model.params, model.cfg, kind, 2, vocab),
+                             {"kind": kind, "exit_layer": 2, "model": heads.fingerprint(model.cfg)})
+            for kind in heads.KINDS}
+    labels = ["ar", f"draft:draft_model={tiny}", "early-exit", f"eesd:head={head['eesd']}",
+              f"kangaroo:head={head['kangaroo']}", "layer-skip", "ngram"]
+    prompts, page = tmp_path / "prompts.jsonl", tmp_path / "docs" / "accelerator.md"
+    prompts.write_text('{"prompt": "Name three primes."}\n{"prompt": "Describe a cat.", "category": "x"}\n')
+    env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", "MODEL": tiny,
+           "METHODS": ",".join(labels), "PROMPTS": str(prompts), "LIMIT": "", "MAX_NEW_TOKENS": "3",
+           "OUTPUT": str(tmp_path / "results.jsonl"), "PAGE": str(page)}
+    proc = subprocess.run(["bash", str(ACCELERATOR_SH)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = page.read_text()
+    assert f"({jax.devices()[0].device_kind})" in text and re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d UTC", text)
+    assert "## Results: accelerator" in text and "(bfloat16)" in text
+    assert "| method | batch 1 | batch 8 | mismatches |" in text
+    for label in labels:  # in the overall table (both prompts) and the batch table, with no mismatch
+        row = rf"^\| `{re.escape(label)}` \| "
+        assert re.search(row + r"2 \| .* \| 0 \|$", text, re.M), label
+        assert re.search(row + r"[\d.]+ \([\d.]+x\) \| [\d.]+ \([\d.]+x\) \| 0 \|$", text, re.M), label
+    assert (page.parent / "img" / "accelerator" / bench_report.THROUGHPUT_PNG).is_file()

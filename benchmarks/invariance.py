@@ -1,7 +1,7 @@
 """Is every lossless method token-identical to `ar` at batch 1? Rows identical, and tokens/s.
 
 Runs the default model over held-out-style prompts (the 12 of benchmarks/heldout_prompts.jsonl
-and the first 4 of each ../shared/data/domains file: 36 prompts, none used to train or search
+and the first 4 of each shipped domain set, jspec.prompt_sets: 36 prompts, none used to train or search
 what ships), greedy, in one process, and prints one Markdown row per method and batch size:
 rows whose tokens equal `ar` at batch 1 (batch invariance), rows equal to `ar` at the same batch
 size (speculation changes nothing), and throughput.
@@ -18,16 +18,16 @@ import time
 from pathlib import Path
 
 import jspec
+from jspec import prompt_sets
 
 HERE = Path(__file__).resolve().parent
-DOMAINS = HERE.parents[1] / "shared" / "data" / "domains"
 RUNS = "ar:8,early-exit:1,eesd:1,kangaroo:1,layer-skip:1,ngram:1,eesd:8"
 
 
 def prompts(per_domain: int) -> list[dict]:
     rows = [json.loads(line) for line in (HERE / "heldout_prompts.jsonl").read_text().splitlines() if line]
-    for path in sorted(DOMAINS.glob("*.jsonl")):
-        lines = path.read_text().split("\n")
+    for domain in sorted(prompt_sets.DOMAINS):
+        lines = prompt_sets.read_text(prompt_sets.resolve(f"domains/{domain}")).split("\n")
         rows += [json.loads(line) for line in lines[:per_domain] if line]
     return [{"id": r["id"], "prompt": r["prompt"]} for r in rows]
 

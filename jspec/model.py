@@ -108,6 +108,15 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array) -> jax
     return jnp.einsum("bkgts,bskh->bkgth", probs, v).transpose(0, 3, 1, 2, 4)
 
 
+def attention_per_query(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array) -> jax.Array:
+    """attention() one query position at a time, through one compiled loop body, so a query gets
+    the same bits whether it comes alone (`ar`) or among the K + 1 of a verification: XLA's dots
+    over all T queries at once round differently for different T (docs/design.md, "Batch
+    invariance"). The loop rereads the cache once per position, which decoding can afford."""
+    one = lambda qp: attention(qp[0][:, None], k, v, qp[1][:, None])[:, 0]
+    return jax.lax.map(one, (q.swapaxes(0, 1), q_pos.swapaxes(0, 1))).swapaxes(0, 1)
+
+
 def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """attention() for queries at positions 0..T-1 of every row. Query block i cannot see past
     its own end, a static bound, so it reads only that prefix of the cache: a long prompt does
@@ -137,7 +146,12 @@ def attention_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array,
     start = jnp.zeros(h.shape[:1], jnp.int32) if positions is None else positions[:, 0]
     k_cache = _write(k_cache, k, start)
     v_cache = _write(v_cache, v, start)
-    out = prefill_attention(q, k_cache, v_cache) if positions is None else attention(q, k_cache, v_cache, positions)
+    if positions is None:
+        out = prefill_attention(q, k_cache, v_cache)
+    elif q.dtype == jnp.bfloat16:  # batch invariant, as `linear` is in bfloat16
+        out = attention_per_query(q, k_cache, v_cache, positions)
+    else:
+        out = attention(q, k_cache, v_cache, positions)
     return h + linear(out.reshape(*out.shape[:2], -1), lp["wo"]), k_cache, v_cache
 
 

@@ -219,6 +219,20 @@ def test_linear_bfloat16_rows_do_not_depend_on_each_other():
                 assert (together[i] == alone[j]).all(), (rows, i)
 
 
+def test_attention_per_query_does_not_depend_on_the_other_queries():
+    """A query's output has the same bits alone and among 2-9 queries (the default model's head
+    shapes, float32 so that no rounding hides a difference); XLA's dots over all queries at once
+    do not give that, which is why bfloat16 decoding attends one query at a time."""
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((1, 9, 3, 3, 64)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((1, 128, 3, 64)), jnp.float32) for _ in range(2))
+    positions = jnp.arange(40, 49)[None]
+    attend = jax.jit(model.attention_per_query)
+    alone = np.asarray(attend(q[:, :1], k, v, positions[:, :1]))
+    for t in (2, 5, 9):
+        assert (np.asarray(attend(q[:, :t], k, v, positions[:, :t]))[:, :1] == alone).all(), t
+
+
 # -- running a subset of the layers --------------------------------------------------------------
 
 def hf_without_layers(hf, keep: list[int]):

@@ -213,7 +213,7 @@ class Model:
         if sig not in self._compiled:
             lowered = loop.generate.lower(self.params, dparams, cache, *args, key, cfg=self.cfg, sampling=sampling,
                                           max_new_tokens=max_new, drafter=drafter, controller=controller)
-            self._compiled[sig] = lowered.compile(compiler_options=loop.COMPILER_OPTIONS)
+            self._compiled[sig] = lowered.compile()
         return self._compiled[sig]
 
     def _record(self, req: Request, ids: np.ndarray, stats: dict, seconds: float) -> dict:

@@ -203,6 +203,16 @@ def default_tokenizer():
     return read_tokenizer(gguf.GGUFReader(default_gguf()))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _fresh_jax_caches():
+    """Drop jax's compiled programs after each test module: the suite compiles hundreds of
+    programs in one process, and none is shared across modules."""
+    yield
+    import jax
+
+    jax.clear_caches()
+
+
 @pytest.fixture
 def count_compiles():
     """Counts XLA backend compilations in this process while the test runs."""

@@ -24,13 +24,6 @@ from jspec import acceptance, model
 from jspec.config import ModelConfig
 from jspec.sampling import Sampling, next_token
 
-# XLA may skip a bfloat16 rounding inside a fused computation ("excess precision"), so a value's
-# bits would depend on what it happened to be fused with: a layer run inside the draft loop and
-# the same layer run in a verification would round differently. Rounding every bfloat16 result
-# as written keeps decoding batch invariant (docs/design.md, "Batch invariance"); float32
-# programs are unaffected.
-COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass

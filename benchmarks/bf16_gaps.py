@@ -29,7 +29,7 @@ from jspec.jsonl import read_prompts, read_records
 
 @functools.partial(jax.jit, static_argnames="cfg")
 def all_logits(params, tokens, cfg):
-    h, _ = M.forward(params, cfg, tokens, None, M.KVCache.zeros(cfg, 1, tokens.shape[1], params["embed"].dtype))
+    h, _ = M.forward(params, cfg, tokens, None, M.KVCache.zeros(cfg, 1, tokens.shape[1]))
     return M.logits(params, cfg, h[0])
 
 

@@ -37,7 +37,7 @@ def main() -> None:
     args = ap.parse_args()
     m = jspec.load()
     cfg, params, n = m.cfg, m.params, args.exit_layer
-    cache = M.KVCache.zeros(cfg, 1, 512, jnp.float32)
+    cache = M.KVCache.zeros(cfg, 1, 512)
     tokens, positions = jnp.zeros((1, 1), jnp.int32), jnp.full((1, 1), 100, jnp.int32)
     h = jnp.zeros((1, 1, cfg.hidden_size), jnp.float32)
 
@@ -47,7 +47,7 @@ def main() -> None:
             (f"first {n} layers", timed(shallow, params, cache))]
     for kind in heads.KINDS:
         hp = heads.init(params, cfg, kind, n, np.arange(8192, dtype=np.int32))
-        kv = heads.empty_kv(cfg, 1, 512, jnp.float32)
+        kv = heads.empty_kv(cfg, 1, 512)
         block = jax.jit(lambda hp, kv: heads.block(cfg, hp, h, positions, kv)[0])
         rows.append((f"{kind} head layer", timed(block, hp, kv)))
     x = h[:, 0]

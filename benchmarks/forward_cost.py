@@ -35,7 +35,7 @@ def main() -> None:
     base = None
     for b in (1, 8):
         for t in (1, 2, 3, 5, 9, 17):
-            cache = M.KVCache.zeros(cfg, b, 512, jnp.float32)
+            cache = M.KVCache.zeros(cfg, b, 512)
             tokens = jnp.zeros((b, t), jnp.int32)
             positions = jnp.broadcast_to(jnp.arange(100, 100 + t), (b, t))
             logits, cache = step(params, cache, tokens, positions)

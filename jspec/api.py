@@ -199,8 +199,7 @@ class Model:
     def _cache(self, rows: int, length: int) -> KVCache:
         cache = self._caches.pop((rows, length), None)
         if cache is None:
-            dtype = jax.tree.leaves(self.params)[0].dtype
-            cache = KVCache.zeros(self.cfg, rows, length, dtype)
+            cache = KVCache.zeros(self.cfg, rows, length)
             if self.mesh is not None:
                 shape = cache.k[0].shape
                 cache = jax.device_put(cache, sharding.cache_sharding(self.mesh, shape))

@@ -126,7 +126,7 @@ def score(model, rows: Sequence[Row], a: Sequence[dict], b: Sequence[dict], prom
 def _scores(params, tokens, last, pair, *, cfg):
     """The target's next token after tokens[0, :last + 1] (right padding after it is never seen):
     the logit of pair[0] minus pair[1]'s, and their ranks (1 = top) and probabilities."""
-    h, _ = M.forward(params, cfg, tokens, None, M.KVCache.zeros(cfg, 1, tokens.shape[1], params["embed"].dtype))
+    h, _ = M.forward(params, cfg, tokens, None, M.KVCache.zeros(cfg, 1, tokens.shape[1]))
     logits = M.logits(params, cfg, h[0, last])
     chosen = logits[pair]
     ranks = 1 + jnp.sum(logits[None, :] > chosen[:, None], axis=1)

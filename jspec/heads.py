@@ -62,9 +62,9 @@ def block(cfg: ModelConfig, hp: dict, h: jax.Array, positions: jax.Array | None,
     return model.rms_norm(h, hp["norm"], cfg.rms_norm_eps), {"k": k, "v": v}
 
 
-def empty_kv(cfg: ModelConfig, batch: int, length: int, dtype) -> dict:
+def empty_kv(cfg: ModelConfig, batch: int, length: int) -> dict:
     shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    return {"k": jnp.zeros(shape, jnp.float32), "v": jnp.zeros(shape, jnp.float32)}
 
 
 def draft_params(params, hp: dict) -> dict:
@@ -78,7 +78,7 @@ class Head:
     by `draft_params`."""
 
     def prefill(self, dparams, cfg, h, cache_len):
-        _, kv = block(cfg, dparams, h, None, empty_kv(cfg, h.shape[0], cache_len, h.dtype))
+        _, kv = block(cfg, dparams, h, None, empty_kv(cfg, h.shape[0], cache_len))
         return kv
 
     def logits(self, params, dparams, cfg, h, positions, kv):

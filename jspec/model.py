@@ -54,10 +54,10 @@ class KVCache:
     v: list[jax.Array]  # per layer [B, S, K, H]
 
     @classmethod
-    def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype) -> "KVCache":
+    def zeros(cls, cfg: ModelConfig, batch: int, length: int) -> "KVCache":
         shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
-        return cls([jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
-                   [jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)])
+        return cls([jnp.zeros(shape, jnp.float32) for _ in range(cfg.num_layers)],
+                   [jnp.zeros(shape, jnp.float32) for _ in range(cfg.num_layers)])
 
     @property
     def length(self) -> int:
@@ -102,19 +102,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array) -> jax
     scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) * scale
     visible = jnp.arange(k.shape[1])[None, None, :] <= q_pos[:, :, None]  # [B, T, S]
     scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    probs = jax.nn.softmax(scores, axis=-1)
     # Heads-major output, transposed after: XLA's CPU dot writing [B, T, K, G, H] directly
     # took a quarter longer on a long prompt.
-    return jnp.einsum("bkgts,bskh->bkgth", probs, v).transpose(0, 3, 1, 2, 4)
-
-
-def attention_per_query(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array) -> jax.Array:
-    """attention() one query position at a time, through one compiled loop body, so a query gets
-    the same bits whether it comes alone (`ar`) or among the K + 1 of a verification: XLA's dots
-    over all T queries at once round differently for different T (docs/design.md, "Batch
-    invariance"). The loop rereads the cache once per position, which decoding can afford."""
-    one = lambda qp: attention(qp[0][:, None], k, v, qp[1][:, None])[:, 0]
-    return jax.lax.map(one, (q.swapaxes(0, 1), q_pos.swapaxes(0, 1))).swapaxes(0, 1)
+    return jnp.einsum("bkgts,bskh->bkgth", probs, v.astype(jnp.float32)).transpose(0, 3, 1, 2, 4)
 
 
 def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
@@ -148,8 +139,6 @@ def attention_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array,
     v_cache = _write(v_cache, v, start)
     if positions is None:
         out = prefill_attention(q, k_cache, v_cache)
-    elif q.dtype == jnp.bfloat16:  # batch invariant, as `linear` is in bfloat16
-        out = attention_per_query(q, k_cache, v_cache, positions)
     else:
         out = attention(q, k_cache, v_cache, positions)
     return h + linear(out.reshape(*out.shape[:2], -1), lp["wo"]), k_cache, v_cache
@@ -170,7 +159,12 @@ def decoder_layer(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array, p
 
 
 def embed(params: Params, tokens: jax.Array) -> jax.Array:
-    return params["embed"][tokens]
+    """The float32 residual stream: bfloat16 stores the weights, never an activation or a cache
+    entry. A value rounded to bfloat16 turns the last-bit differences between XLA's programs
+    (a row decoded alone, among the K + 1 of a verification, in a batch, in a loop body or not)
+    into whole bfloat16 steps that flip near-tied tokens; kept in float32 they stay near 1e-6 of
+    a logit (docs/design.md, "Batch invariance")."""
+    return params["embed"][tokens].astype(jnp.float32)
 
 
 def run_layers(params: Params, cfg: ModelConfig, h: jax.Array, positions: jax.Array | None, cache: KVCache,
@@ -190,27 +184,17 @@ def linear(x: jax.Array, w: jax.Array, dtype=None) -> jax.Array:
     """x [..., D] times w [N, D] transposed -> [..., N], accumulated in float32 and returned in
     `dtype` (default: x's). Every weight matrix, the LM head included, is read this way.
 
-    bfloat16 is batch invariant: each row gets the same numbers whatever else the forward
-    holds (one row of `ar`, K + 1 verified positions, a batch of 8). Every layer's output is
-    rounded to bfloat16 there, so the last-bit differences between XLA's kernels for different
-    row counts (its one-row kernel against its matmul, the multiply-and-sum below) become whole
-    bfloat16 steps and flip near-tied tokens. So bfloat16 always takes the matmul, and a single
-    row is padded to two: XLA's matmul gives every row the same bits for 2 to 2,048 rows, its
-    one-row kernel does not (docs/design.md, "Batch invariance").
-
-    float32 on a CPU takes the faster path: 2 to SMALL_ROWS rows (a verification, or a step of
-    a batch) are a multiply-and-sum over D, which XLA fuses into one loop over w, where its
-    matmul for so few rows repacks the whole weight first (docs/design.md). Its rounding
-    differences stay near 1e-6 of a logit and have not changed a token in any measured run."""
+    Activations are always float32 (see `embed`); a bfloat16 weight is widened as it is read.
+    On a CPU, up to SMALL_ROWS rows (a decode step, a verification, a step of a batch) are a
+    multiply-and-sum over D, which XLA fuses into one loop over w, where its matmul for so few
+    rows repacks (or, in bfloat16, converts) the whole weight first (docs/design.md). Its
+    rounding differs from the matmul's near 1e-6 of a logit, which has not changed a token in
+    any measured run."""
     dtype = x.dtype if dtype is None else dtype
     rows = math.prod(x.shape[:-1])
-    if x.dtype == jnp.bfloat16:
-        flat = x.reshape(rows, -1)
-        if rows == 1:
-            flat = jnp.concatenate([flat, flat])
-        out = jnp.einsum("md,nd->mn", flat, w, preferred_element_type=jnp.float32)[:rows]
-        return out.reshape(*x.shape[:-1], -1).astype(dtype)
-    if 2 <= rows <= SMALL_ROWS and jax.default_backend() == "cpu":
+    # A float32 row alone takes XLA's matrix-vector kernel; a bfloat16 weight needs the
+    # multiply-and-sum even then, as XLA's product with it converts the whole weight first.
+    if (2 <= rows or w.dtype != x.dtype) and rows <= SMALL_ROWS and jax.default_backend() == "cpu":
         # Rows major, so the result needs no transpose: faster than [N, rows] transposed after.
         out = jnp.sum(w[None].astype(jnp.float32) * x.reshape(rows, 1, -1).astype(jnp.float32), axis=-1)
         return out.reshape(*x.shape[:-1], -1).astype(dtype)

@@ -97,7 +97,7 @@ def test_cli_scores_the_prompts_as_generate_encoded_them(capsys, tiny, tmp_path)
     # The gap from a forward over the prompt and A's first p tokens, unpadded.
     model = jspec.api.load(tiny)
     tokens = model.requests(read_prompts(prompts))[1].token_ids + changed[1]["token_ids"][:p]
-    cache = M.KVCache.zeros(model.cfg, 1, len(tokens), jnp.float32)
+    cache = M.KVCache.zeros(model.cfg, 1, len(tokens))
     h, _ = M.forward(model.params, model.cfg, jnp.asarray([tokens]), None, cache)
     logits = np.asarray(M.logits(model.params, model.cfg, h[0, -1]))
     gap = float(re.search(r"A-B logit gap ([-+][\d.]+)", line)[1])

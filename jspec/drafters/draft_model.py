@@ -22,7 +22,7 @@ class DraftModel(Drafter):
 
     def prefill(self, params, dparams, cfg, tokens, prompt_lens, cache):
         h, cache = target_prefill(params, cfg, tokens, prompt_lens, cache)
-        dcache = model.KVCache.zeros(self.draft_cfg, tokens.shape[0], cache.length, cache.k[0].dtype)
+        dcache = model.KVCache.zeros(self.draft_cfg, tokens.shape[0], cache.length)
         _, dcache = target_prefill(dparams, self.draft_cfg, tokens, prompt_lens, dcache)
         return h, cache, {"cache": dcache}
 

@@ -128,7 +128,7 @@ def pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
 def _teacher_top_k(params, tokens, prompt_lens, *, cfg, answer: int, k: int):
     """Top-k log-probs of the target's next-token distribution at each answer position [B, A, k]."""
     b, length = tokens.shape
-    h, _ = M.forward(params, cfg, tokens, None, M.KVCache.zeros(cfg, b, length, params["embed"].dtype))
+    h, _ = M.forward(params, cfg, tokens, None, M.KVCache.zeros(cfg, b, length))
     at = jnp.minimum(prompt_lens[:, None] - 1 + jnp.arange(answer)[None], length - 1)  # [B, A]
     h = jnp.take_along_axis(h, at[:, :, None], axis=1)
     logp = jax.nn.log_softmax(M.logits(params, cfg, h), axis=-1)

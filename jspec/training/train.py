@@ -93,7 +93,7 @@ def exit_states(params, cfg, exit_layer: int, tokens: np.ndarray, batch_size: in
     head trains for many epochs on them, and they are most of a step's work otherwise."""
     @jax.jit
     def run(tokens):
-        cache = M.KVCache.zeros(cfg, *tokens.shape, params["embed"].dtype)
+        cache = M.KVCache.zeros(cfg, *tokens.shape)
         h, _ = M.run_layers(params, cfg, M.embed(params, tokens), None, cache, range(exit_layer))
         return h.astype(jnp.float32)
 
@@ -109,7 +109,7 @@ def _forward(trainable, frozen, cfg, batch):
     h, prompt_lens = batch["hidden"], batch["prompt_lens"]
     b, length = h.shape[:2]
     hp = {**trainable, "vocab": frozen["vocab"]}
-    x, _ = heads.block(cfg, hp, h, None, heads.empty_kv(cfg, b, length, jnp.float32))
+    x, _ = heads.block(cfg, hp, h, None, heads.empty_kv(cfg, b, length))
     answer = batch["top_logp"].shape[1]
     at = jnp.minimum(prompt_lens[:, None] - 1 + jnp.arange(answer)[None], length - 1)
     x = jnp.take_along_axis(x, at[:, :, None], axis=1)

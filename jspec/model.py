@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec import native
 from jspec.config import ModelConfig, rope_inv_freq
 
 Params = dict
@@ -210,6 +211,8 @@ def linear(x: jax.Array, w: jax.Array, dtype=None) -> jax.Array:
             flat = jnp.concatenate([flat, flat])
         out = jnp.einsum("md,nd->mn", flat, w, preferred_element_type=jnp.float32)[:rows]
         return out.reshape(*x.shape[:-1], -1).astype(dtype)
+    if native.takes(x, w, rows):
+        return native.matmul(x.reshape(rows, -1), w).reshape(*x.shape[:-1], -1).astype(dtype)
     if 2 <= rows <= SMALL_ROWS and jax.default_backend() == "cpu":
         # Rows major, so the result needs no transpose: faster than [N, rows] transposed after.
         out = jnp.sum(w[None].astype(jnp.float32) * x.reshape(rows, 1, -1).astype(jnp.float32), axis=-1)

@@ -201,8 +201,8 @@ def linear(x: jax.Array, w: jax.Array, dtype=None) -> jax.Array:
 
     float32 on a CPU takes a faster path for 2 to SMALL_ROWS rows (a verification, or a step of
     a batch), where XLA's matmul repacks the whole weight first (docs/design.md): jspec's native
-    kernel (jspec/native.py) where it is built and wins, else a multiply-and-sum over D, which
-    XLA fuses into one loop over w. Their rounding differences stay near 1e-6 of a logit and
+    kernel for the rows where it wins (jspec/native.py, where it is built), else a
+    multiply-and-sum over D, which XLA fuses into one loop over w. Their rounding differences stay near 1e-6 of a logit and
     have not changed a token in any measured run."""
     dtype = x.dtype if dtype is None else dtype
     rows = math.prod(x.shape[:-1])

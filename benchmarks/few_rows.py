@@ -1,0 +1,130 @@
+"""What a forward over a few rows costs with jspec's native kernel and without (issue 13).
+
+One run, side by side, on the default model in float32 (cache of 512, donated as in the
+engine's loop):
+
+  * a forward over R = 1, 2, 5, 8, 16 positions of one row (a verification of R - 1 drafts),
+    in milliseconds and as a multiple of the one-position decode step of the JAX path (one row
+    is XLA's matrix-vector kernel on both paths: `native.MIN_ROWS` is 2);
+  * `ar` tokens per second at batch 1 and batch 8 (8 prompts, 64 new tokens), and whether the
+    tokens are the same with and without the kernel.
+
+The two paths alternate call by call, ROUNDS times, and every figure is a median, so a process
+sharing the machine slows both alike.
+
+    python benchmarks/few_rows.py
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jspec
+from jspec import model as M
+from jspec import native
+from jspec.api import Model
+
+ROWS = (1, 2, 5, 8, 16)
+CALLS = 15  # timed forwards per path, shape and round
+ROUNDS = 3
+PROMPTS = ["Name three primes.", "What is a hash table?", "Write a haiku about rain.",
+           "Explain recursion in one sentence.", "List four colours.", "What is 12 times 7?",
+           "Say hello in French.", "Why is the sky blue?"]
+NEW_TOKENS = 64
+
+
+def compiled(use_native: bool, build):
+    """build() traced and compiled with the kernel on or off (the choice is made at trace time)."""
+    native.enabled = use_native
+    jax.clear_caches()
+    return build()
+
+
+def forward_programs(m):
+    @functools.partial(jax.jit, donate_argnums=1)
+    def step(params, cache, tokens, positions):
+        h, cache = M.forward(params, m.cfg, tokens, positions, cache)
+        return M.logits(params, m.cfg, h), cache
+
+    def args(r):
+        return (M.KVCache.zeros(m.cfg, 1, 512, jnp.float32), jnp.zeros((1, r), jnp.int32),
+                jnp.arange(100, 100 + r, dtype=jnp.int32)[None])
+
+    def build():
+        out = {}
+        for r in ROWS:
+            lowered = step.lower(m.params, *args(r))
+            assert ("jspec_matmul" in lowered.as_text()) == (native.enabled and r >= native.MIN_ROWS)
+            out[r] = lowered.compile()
+        return out
+    return build, args
+
+
+def time_forwards(m) -> dict:
+    build, args = forward_programs(m)
+    paths = {"native": compiled(True, build), "jax": compiled(False, build)}
+    times = {(p, r): [] for p in paths for r in ROWS}
+    for _ in range(ROUNDS):
+        for r in ROWS:
+            state = {p: args(r) for p in paths}
+            for _ in range(CALLS):
+                for p, programs in paths.items():
+                    cache, tokens, positions = state[p]
+                    start = time.perf_counter()
+                    logits, cache = programs[r](m.params, cache, tokens, positions)
+                    logits.block_until_ready()
+                    times[p, r].append(time.perf_counter() - start)
+                    state[p] = cache, tokens, positions
+    return {k: float(np.median(v)) * 1e3 for k, v in times.items()}
+
+
+def time_ar(m) -> tuple[dict, bool]:
+    def build():
+        model = Model(m.cfg, m.params, m.tokenizer, name=m.name)
+        for b in (1, 8):  # compiles (the first run of a shape is not timed)
+            model.generate(PROMPTS[:b], "ar", max_new_tokens=NEW_TOKENS, batch_size=b)
+        return model
+
+    models = {"native": compiled(True, build), "jax": compiled(False, build)}
+    rates, tokens = {(p, b): [] for p in models for b in (1, 8)}, {}
+    for _ in range(ROUNDS):
+        for b in (1, 8):
+            for p, model in models.items():
+                records = model.generate(PROMPTS if b == 8 else PROMPTS[:2], "ar",
+                                         max_new_tokens=NEW_TOKENS, batch_size=b)
+                if b == 1:
+                    rates[p, b] += [r["tokens_per_second"] for r in records]
+                else:
+                    rates[p, b].append(sum(r["new_tokens"] for r in records) / records[0]["seconds"])
+                tokens[p, b] = [r["token_ids"] for r in records]
+    same = all(tokens["native", b] == tokens["jax", b] for b in (1, 8))
+    return {k: float(np.median(v)) for k, v in rates.items()}, same
+
+
+def main() -> None:
+    if native.unavailable:
+        raise SystemExit(f"the native kernel is unavailable: {native.unavailable}")
+    m = jspec.load(dtype="float32")
+    ms = time_forwards(m)
+    step = ms["jax", 1]
+    print(f"Forward over R positions (B = 1), median of {ROUNDS} x {CALLS}; 'steps' = / the JAX path's "
+          f"1-position step ({step:.1f} ms)\n")
+    print("| R | native ms | native steps | JAX ms | JAX steps |\n| --- | --- | --- | --- | --- |")
+    for r in ROWS:
+        print(f"| {r} | {ms['native', r]:.1f} | {ms['native', r] / step:.2f} | {ms['jax', r]:.1f} | "
+              f"{ms['jax', r] / step:.2f} |", flush=True)
+    rates, same = time_ar(m)
+    print(f"\n`ar`, {NEW_TOKENS} new tokens, tokens/s (median; batch 8 counts all rows)\n")
+    print("| batch | native | JAX |\n| --- | --- | --- |")
+    for b in (1, 8):
+        print(f"| {b} | {rates['native', b]:.1f} | {rates['jax', b]:.1f} |")
+    print(f"\ntokens identical with and without the kernel: {same}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+// out[R, N] = x[R, D] @ w[N, D]^T in float32, for the few rows of a decode step or a
+// verification on a CPU (jspec/native.py calls it through jax.ffi).
+//
+// Why not XLA: its dot repacks the whole weight before multiplying a few rows, and the fused
+// multiply-and-sum jspec used instead costs more per row than it must (docs/design.md, "Few
+// rows"). Here w is read in place, row-major [N, D] as jspec stores it: each output is a dot
+// product along D, so a tile of 4 rows x 3 weight rows keeps 12 accumulators in registers and
+// loads every 8 weight floats once for all 4 rows. A chunk of up to 16 rows walks 3 weight rows
+// at a time while they sit in L1. A thread takes 48 weight rows at a time (under 300 KB, which
+// stays in L2 for the next chunk), so the weight comes from memory once per call.
+//
+// Every output is summed in the same order (8 lanes along D, then the same horizontal sum),
+// whatever the number of rows, the tile it fell in or the thread that ran it: a row gets the same
+// bits alone or in a batch.
+//
+// Only the kernel functions are compiled for AVX2 + FMA (target attributes), so the library
+// loads on any x86-64 CPU and jspec_cpu_supported() tells Python whether it may be used.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+using Matrix = ffi::Buffer<ffi::F32, 2>;
+
+#define AVX2 __attribute__((target("avx2,fma")))
+
+namespace {
+
+constexpr int64_t kTileRows = 4;      // rows of x per register tile
+constexpr int64_t kTileCols = 3;      // weight rows per register tile (4 x 3 = 12 of 16 ymm registers)
+constexpr int64_t kChunkRows = 16;    // rows whose tiles share one pass over 3 weight rows in L1
+constexpr int64_t kBlockCols = 48;    // weight rows a thread claims at a time
+
+AVX2 inline float Sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// out[r, n] for RB rows of x (stride d) and NB rows of w (stride d); out has stride n_total.
+template <int RB, int NB>
+AVX2 void Tile(const float* x, const float* w, int64_t d, __m256i tail, float* out, int64_t n_total) {
+  __m256 acc[RB][NB];
+  for (int r = 0; r < RB; ++r)
+    for (int n = 0; n < NB; ++n) acc[r][n] = _mm256_setzero_ps();
+  // The next tile's weight rows follow these in memory: fetch them while this tile computes
+  // (two lines per step cover NB <= 4 rows; past the end of w a prefetch is a harmless hint).
+  // It helped 2 to 16 rows in a microbenchmark.
+  const char* next = reinterpret_cast<const char*>(w + NB * d);
+  int64_t k = 0;
+  for (; k + 8 <= d; k += 8) {
+    _mm_prefetch(next + 4 * NB * k, _MM_HINT_T0);
+    _mm_prefetch(next + 4 * NB * k + 64, _MM_HINT_T0);
+    __m256 wv[NB];
+    for (int n = 0; n < NB; ++n) wv[n] = _mm256_loadu_ps(w + n * d + k);
+    for (int r = 0; r < RB; ++r) {
+      __m256 xv = _mm256_loadu_ps(x + r * d + k);
+      for (int n = 0; n < NB; ++n) acc[r][n] = _mm256_fmadd_ps(xv, wv[n], acc[r][n]);
+    }
+  }
+  if (k < d) {  // masked loads read zeros past the end of a row
+    __m256 wv[NB];
+    for (int n = 0; n < NB; ++n) wv[n] = _mm256_maskload_ps(w + n * d + k, tail);
+    for (int r = 0; r < RB; ++r) {
+      __m256 xv = _mm256_maskload_ps(x + r * d + k, tail);
+      for (int n = 0; n < NB; ++n) acc[r][n] = _mm256_fmadd_ps(xv, wv[n], acc[r][n]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int n = 0; n < NB; ++n) out[r * n_total + n] = Sum8(acc[r][n]);
+}
+
+using TileFn = void (*)(const float*, const float*, int64_t, __m256i, float*, int64_t);
+constexpr TileFn kTiles[kTileRows][kTileCols] = {
+    {Tile<1, 1>, Tile<1, 2>, Tile<1, 3>},
+    {Tile<2, 1>, Tile<2, 2>, Tile<2, 3>},
+    {Tile<3, 1>, Tile<3, 2>, Tile<3, 3>},
+    {Tile<4, 1>, Tile<4, 2>, Tile<4, 3>},
+};
+
+// Columns [n0, n1) of out for all rows.
+AVX2 void Columns(const float* x, const float* w, float* out, int64_t rows, int64_t n_total, int64_t d,
+                  int64_t n0, int64_t n1) {
+  alignas(32) int32_t lanes[8];
+  for (int i = 0; i < 8; ++i) lanes[i] = i < d % 8 ? -1 : 0;
+  const __m256i tail = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
+  for (int64_t c = 0; c < rows; c += kChunkRows) {
+    const int64_t c_end = std::min(rows, c + kChunkRows);
+    for (int64_t n = n0; n < n1; n += kTileCols) {
+      const int64_t nb = std::min(kTileCols, n1 - n);
+      for (int64_t r = c; r < c_end; r += kTileRows) {
+        const int64_t rb = std::min(kTileRows, c_end - r);
+        kTiles[rb - 1][nb - 1](x + r * d, w + n * d, d, tail, out + r * n_total + n, n_total);
+      }
+    }
+  }
+}
+
+// One call's work, shared with the helpers through a shared_ptr: a helper that XLA's pool starts
+// after the caller has returned finds no block left and only drops its reference.
+struct Work {
+  const float* x;
+  const float* w;
+  float* out;
+  int64_t rows, n_total, d, blocks;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void Run() {
+    for (int64_t b; (b = next.fetch_add(1, std::memory_order_relaxed)) < blocks;) {
+      const int64_t n0 = b * kBlockCols;
+      Columns(x, w, out, rows, n_total, d, n0, std::min(n_total, n0 + kBlockCols));
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error Matmul(ffi::ThreadPool pool, Matrix x, Matrix w, ffi::Result<Matrix> out) {
+  const int64_t rows = x.dimensions()[0], d = x.dimensions()[1], n_total = w.dimensions()[0];
+  if (w.dimensions()[1] != d) return ffi::Error::InvalidArgument("jspec_matmul: x and w differ in D");
+  if (rows == 0 || n_total == 0) return ffi::Error::Success();
+  auto work = std::make_shared<Work>();
+  work->x = x.typed_data();
+  work->w = w.typed_data();
+  work->out = out->typed_data();
+  work->rows = rows;
+  work->n_total = n_total;
+  work->d = d;
+  work->blocks = (n_total + kBlockCols - 1) / kBlockCols;
+  // Blocks are claimed from a counter, not split in halves up front: the caller never waits for
+  // a helper that has not started (no deadlock when the pool is busy), and a core slowed by
+  // another process takes fewer blocks.
+  const int64_t threads = std::min<int64_t>(pool.num_threads(), std::thread::hardware_concurrency());
+  for (int64_t i = 1; i < std::min(threads, work->blocks); ++i) pool.Schedule([work] { work->Run(); });
+  work->Run();
+  while (work->done.load(std::memory_order_acquire) < work->blocks) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecMatmul, Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<Matrix>()
+                                  .Ret<Matrix>());
+
+extern "C" int jspec_cpu_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}

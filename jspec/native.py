@@ -1,0 +1,71 @@
+"""jspec's native float32 matmul for a few rows on a CPU: jspec/native.cc, called through jax.ffi.
+
+XLA:CPU multiplies a few rows by a weight far below what memory bandwidth allows (it repacks
+the weight for a small matmul, and the multiply-and-sum `model.linear` uses instead is compute
+bound); the kernel streams each weight once per 16 rows on AVX2 + FMA (docs/design.md, "Few
+rows"). `model.linear` asks `takes` at trace time, so a program compiled with the kernel keeps
+it: call jax.clear_caches() after changing `enabled`.
+
+The kernel is optional. It is not used when the extension was not built (pip install prints
+why), when the CPU lacks AVX2 or FMA, or when JSPEC_NATIVE=0 is set; `unavailable` says which.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+TARGET = "jspec_matmul"
+# The rows it is used for (docs/design.md, "Few rows"): one row is XLA's own matrix-vector
+# kernel, which was as fast or faster; above 32 the multiply-and-sum of `model.linear` is as fast.
+MIN_ROWS, MAX_ROWS = 2, 32
+
+
+def _load() -> str | None:
+    """Register the kernel with XLA; returns why it cannot be used, or None."""
+    if os.environ.get("JSPEC_NATIVE") == "0":
+        return "JSPEC_NATIVE=0 is set"
+    here = Path(__file__).parent
+    built = [here / f"_native{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES]
+    built = [p for p in built if p.is_file()]
+    if not built:
+        return "the extension jspec/_native was not built (pip install's log says why)"
+    try:
+        lib = ctypes.CDLL(str(built[0]))
+    except OSError as e:  # built for another system, say
+        return f"jspec/_native could not be loaded: {e}"
+    if not lib.jspec_cpu_supported():
+        return "this CPU lacks AVX2 or FMA"
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JspecMatmul), platform="cpu")
+    return None
+
+
+unavailable = _load()  # why the kernel is not used; None when it is available
+enabled = unavailable is None  # read by `takes` at trace time
+
+
+def takes(x: jax.Array, w: jax.Array, rows: int) -> bool:
+    """Whether `model.linear` multiplies x (`rows` rows) by w with the kernel."""
+    return (enabled and x.dtype == jnp.float32 and w.dtype == jnp.float32 and MIN_ROWS <= rows <= MAX_ROWS
+            and jax.default_backend() == "cpu")
+
+
+@jax.custom_jvp
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [R, D] times w [N, D] transposed -> [R, N], all float32."""
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"native.matmul needs x [R, D] and w [N, D], got {x.shape} and {w.shape}")
+    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))(x, w)
+
+
+@matmul.defjvp
+def _matmul_jvp(primals, tangents):
+    # XLA cannot differentiate a foreign call. The tangent is linear in (dx, dw), so jax can
+    # transpose it too: gradients through `linear` (training a draft head) work.
+    (x, w), (dx, dw) = primals, tangents
+    return matmul(x, w), dx @ w.T + x @ dw.T

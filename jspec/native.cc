@@ -1,5 +1,6 @@
-// out[R, N] = x[R, D] @ w[N, D]^T in float32, for the few rows of a decode step or a
-// verification on a CPU (jspec/native.py calls it through jax.ffi).
+// out[R, N] = x[R, D] @ w[N, D]^T in float32, w float32 or bfloat16, for the few rows of a
+// decode step or a verification on a CPU (jspec/native.py calls it through jax.ffi). A bfloat16
+// weight is widened in registers (its 16 bits are a float32's top half), never copied.
 //
 // Why not XLA: its dot repacks the whole weight before multiplying a few rows, and the fused
 // multiply-and-sum jspec used instead costs more per row than it must (docs/design.md, "Few
@@ -28,6 +29,7 @@
 
 namespace ffi = xla::ffi;
 using Matrix = ffi::Buffer<ffi::F32, 2>;
+using Bf16Matrix = ffi::Buffer<ffi::BF16, 2>;
 
 #define AVX2 __attribute__((target("avx2,fma")))
 
@@ -45,9 +47,22 @@ AVX2 inline float Sum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// 8 weights from p as float32; Tail reads the last d % 8 of a row, zeros past its end.
+AVX2 inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+AVX2 inline __m256 Load8(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+AVX2 inline __m256 Tail(const float* p, int64_t, __m256i mask) { return _mm256_maskload_ps(p, mask); }
+AVX2 inline __m256 Tail(const uint16_t* p, int64_t count, __m256i) {
+  uint16_t part[8] = {0};
+  std::copy(p, p + count, part);
+  return Load8(part);
+}
+
 // out[r, n] for RB rows of x (stride d) and NB rows of w (stride d); out has stride n_total.
-template <int RB, int NB>
-AVX2 void Tile(const float* x, const float* w, int64_t d, __m256i tail, float* out, int64_t n_total) {
+template <int RB, int NB, typename W>
+AVX2 void Tile(const float* x, const W* w, int64_t d, __m256i tail, float* out, int64_t n_total) {
   __m256 acc[RB][NB];
   for (int r = 0; r < RB; ++r)
     for (int n = 0; n < NB; ++n) acc[r][n] = _mm256_setzero_ps();
@@ -57,10 +72,10 @@ AVX2 void Tile(const float* x, const float* w, int64_t d, __m256i tail, float* o
   const char* next = reinterpret_cast<const char*>(w + NB * d);
   int64_t k = 0;
   for (; k + 8 <= d; k += 8) {
-    _mm_prefetch(next + 4 * NB * k, _MM_HINT_T0);
-    _mm_prefetch(next + 4 * NB * k + 64, _MM_HINT_T0);
+    _mm_prefetch(next + sizeof(W) * NB * k, _MM_HINT_T0);
+    _mm_prefetch(next + sizeof(W) * NB * k + 64, _MM_HINT_T0);
     __m256 wv[NB];
-    for (int n = 0; n < NB; ++n) wv[n] = _mm256_loadu_ps(w + n * d + k);
+    for (int n = 0; n < NB; ++n) wv[n] = Load8(w + n * d + k);
     for (int r = 0; r < RB; ++r) {
       __m256 xv = _mm256_loadu_ps(x + r * d + k);
       for (int n = 0; n < NB; ++n) acc[r][n] = _mm256_fmadd_ps(xv, wv[n], acc[r][n]);
@@ -68,7 +83,7 @@ AVX2 void Tile(const float* x, const float* w, int64_t d, __m256i tail, float* o
   }
   if (k < d) {  // masked loads read zeros past the end of a row
     __m256 wv[NB];
-    for (int n = 0; n < NB; ++n) wv[n] = _mm256_maskload_ps(w + n * d + k, tail);
+    for (int n = 0; n < NB; ++n) wv[n] = Tail(w + n * d + k, d - k, tail);
     for (int r = 0; r < RB; ++r) {
       __m256 xv = _mm256_maskload_ps(x + r * d + k, tail);
       for (int n = 0; n < NB; ++n) acc[r][n] = _mm256_fmadd_ps(xv, wv[n], acc[r][n]);
@@ -78,16 +93,19 @@ AVX2 void Tile(const float* x, const float* w, int64_t d, __m256i tail, float* o
     for (int n = 0; n < NB; ++n) out[r * n_total + n] = Sum8(acc[r][n]);
 }
 
-using TileFn = void (*)(const float*, const float*, int64_t, __m256i, float*, int64_t);
-constexpr TileFn kTiles[kTileRows][kTileCols] = {
-    {Tile<1, 1>, Tile<1, 2>, Tile<1, 3>},
-    {Tile<2, 1>, Tile<2, 2>, Tile<2, 3>},
-    {Tile<3, 1>, Tile<3, 2>, Tile<3, 3>},
-    {Tile<4, 1>, Tile<4, 2>, Tile<4, 3>},
+template <typename W>
+using TileFn = void (*)(const float*, const W*, int64_t, __m256i, float*, int64_t);
+template <typename W>
+constexpr TileFn<W> kTiles[kTileRows][kTileCols] = {
+    {Tile<1, 1, W>, Tile<1, 2, W>, Tile<1, 3, W>},
+    {Tile<2, 1, W>, Tile<2, 2, W>, Tile<2, 3, W>},
+    {Tile<3, 1, W>, Tile<3, 2, W>, Tile<3, 3, W>},
+    {Tile<4, 1, W>, Tile<4, 2, W>, Tile<4, 3, W>},
 };
 
 // Columns [n0, n1) of out for all rows.
-AVX2 void Columns(const float* x, const float* w, float* out, int64_t rows, int64_t n_total, int64_t d,
+template <typename W>
+AVX2 void Columns(const float* x, const W* w, float* out, int64_t rows, int64_t n_total, int64_t d,
                   int64_t n0, int64_t n1) {
   alignas(32) int32_t lanes[8];
   for (int i = 0; i < 8; ++i) lanes[i] = i < d % 8 ? -1 : 0;
@@ -98,7 +116,7 @@ AVX2 void Columns(const float* x, const float* w, float* out, int64_t rows, int6
       const int64_t nb = std::min(kTileCols, n1 - n);
       for (int64_t r = c; r < c_end; r += kTileRows) {
         const int64_t rb = std::min(kTileRows, c_end - r);
-        kTiles[rb - 1][nb - 1](x + r * d, w + n * d, d, tail, out + r * n_total + n, n_total);
+        kTiles<W>[rb - 1][nb - 1](x + r * d, w + n * d, d, tail, out + r * n_total + n, n_total);
       }
     }
   }
@@ -106,9 +124,10 @@ AVX2 void Columns(const float* x, const float* w, float* out, int64_t rows, int6
 
 // One call's work, shared with the helpers through a shared_ptr: a helper that XLA's pool starts
 // after the caller has returned finds no block left and only drops its reference.
+template <typename W>
 struct Work {
   const float* x;
-  const float* w;
+  const W* w;
   float* out;
   int64_t rows, n_total, d, blocks;
   std::atomic<int64_t> next{0};
@@ -123,13 +142,14 @@ struct Work {
   }
 };
 
-ffi::Error Matmul(ffi::ThreadPool pool, Matrix x, Matrix w, ffi::Result<Matrix> out) {
+template <typename W, typename WMatrix>
+ffi::Error Matmul(ffi::ThreadPool pool, Matrix x, WMatrix w, ffi::Result<Matrix> out) {
   const int64_t rows = x.dimensions()[0], d = x.dimensions()[1], n_total = w.dimensions()[0];
   if (w.dimensions()[1] != d) return ffi::Error::InvalidArgument("jspec_matmul: x and w differ in D");
   if (rows == 0 || n_total == 0) return ffi::Error::Success();
-  auto work = std::make_shared<Work>();
+  auto work = std::make_shared<Work<W>>();
   work->x = x.typed_data();
-  work->w = w.typed_data();
+  work->w = reinterpret_cast<const W*>(w.untyped_data());
   work->out = out->typed_data();
   work->rows = rows;
   work->n_total = n_total;
@@ -147,11 +167,17 @@ ffi::Error Matmul(ffi::ThreadPool pool, Matrix x, Matrix w, ffi::Result<Matrix> 
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecMatmul, Matmul,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecMatmul, (Matmul<float, Matrix>),
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Matrix>()
                                   .Arg<Matrix>()
+                                  .Ret<Matrix>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecMatmulBf16, (Matmul<uint16_t, Bf16Matrix>),
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<Bf16Matrix>()
                                   .Ret<Matrix>());
 
 extern "C" int jspec_cpu_supported() {

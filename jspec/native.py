@@ -20,9 +20,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-TARGET = "jspec_matmul"
-# The rows it is used for (docs/design.md, "Few rows"): one row is XLA's own matrix-vector
-# kernel, which was as fast or faster; above 32 the multiply-and-sum of `model.linear` is as fast.
+TARGETS = {jnp.dtype(jnp.float32): "jspec_matmul", jnp.dtype(jnp.bfloat16): "jspec_matmul_bf16"}
+# The float32 rows it is used for (docs/design.md, "Few rows"): one row is XLA's own
+# matrix-vector kernel, which was as fast or faster; above 32 the multiply-and-sum of
+# `model.linear` is as fast. A bfloat16 weight takes it at every row count: XLA converts the
+# whole weight before its matmul, and its multiply-and-sum ran 13x slower inside the decoding
+# loop than alone; and the kernel gives a row the same bits at every row count.
 MIN_ROWS, MAX_ROWS = 2, 32
 
 
@@ -41,7 +44,8 @@ def _load() -> str | None:
         return f"jspec/_native could not be loaded: {e}"
     if not lib.jspec_cpu_supported():
         return "this CPU lacks AVX2 or FMA"
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JspecMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(TARGETS[jnp.dtype(jnp.float32)], jax.ffi.pycapsule(lib.JspecMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(TARGETS[jnp.dtype(jnp.bfloat16)], jax.ffi.pycapsule(lib.JspecMatmulBf16), platform="cpu")
     return None
 
 
@@ -51,16 +55,17 @@ enabled = unavailable is None  # read by `takes` at trace time
 
 def takes(x: jax.Array, w: jax.Array, rows: int) -> bool:
     """Whether `model.linear` multiplies x (`rows` rows) by w with the kernel."""
-    return (enabled and x.dtype == jnp.float32 and w.dtype == jnp.float32 and MIN_ROWS <= rows <= MAX_ROWS
-            and jax.default_backend() == "cpu")
+    if not enabled or x.dtype != jnp.float32 or jax.default_backend() != "cpu":
+        return False
+    return w.dtype == jnp.bfloat16 or (w.dtype == jnp.float32 and MIN_ROWS <= rows <= MAX_ROWS)
 
 
 @jax.custom_jvp
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [R, D] times w [N, D] transposed -> [R, N], all float32."""
+    """x [R, D] float32 times w [N, D] (float32 or bfloat16) transposed -> [R, N] float32."""
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"native.matmul needs x [R, D] and w [N, D], got {x.shape} and {w.shape}")
-    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))(x, w)
+    return jax.ffi.ffi_call(TARGETS[w.dtype], jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))(x, w)
 
 
 @matmul.defjvp

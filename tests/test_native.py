@@ -1,4 +1,4 @@
-"""jspec's native few-rows matmul (jspec/native.py): it equals the JAX path, `model.linear` takes
+"""jspec's native few-rows matmul (jspec/native.py), for float32 and bfloat16 weights: it equals the JAX path, `model.linear` takes
 it only where it should, generation with it emits the same tokens as without, and jspec runs
 without it (JSPEC_NATIVE=0).
 
@@ -39,17 +39,20 @@ def random(shape, seed):
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16, 17, 31, 33, 64])
 @pytest.mark.parametrize("n, d", [(7, 64), (50, 13), (97, 100), (48, 1)])
-def test_matmul_equals_jax(kernel, rows, n, d):
-    x, w = random((rows, d), 0), random((n, d), 1)
-    got = jax.jit(native.matmul)(x, w)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_matmul_equals_jax(kernel, rows, n, d, dtype):
+    """Weights in float32, or bfloat16 (widened exactly, so the reference is the rounded weight)."""
+    x, w = random((rows, d), 0), random((n, d), 1).astype(dtype).astype(jnp.float32)
+    got = jax.jit(native.matmul)(x, w.astype(dtype))
     want = jnp.einsum("rd,nd->rn", x, w, precision="highest")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=0)
 
 
-def test_row_gets_the_same_bits_in_any_batch(kernel):
-    x, w = random((40, 100), 2), random((61, 100), 3)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_row_gets_the_same_bits_in_any_batch(kernel, dtype):
+    x, w = random((80, 100), 2), random((61, 100), 3).astype(dtype)
     full = np.asarray(jax.jit(native.matmul)(x, w))
-    for rows in (1, 3, 16, 17):
+    for rows in (1, 3, 16, 17, 72):
         np.testing.assert_array_equal(np.asarray(jax.jit(native.matmul)(x[:rows], w)), full[:rows])
 
 
@@ -76,14 +79,16 @@ def test_linear_takes_the_kernel_only_in_its_range(kernel, monkeypatch):
     for rows, expected in [(1, False), (native.MIN_ROWS, True), (native.MAX_ROWS, True), (native.MAX_ROWS + 1, False)]:
         assert calls_kernel(random((1, rows, 16), 1), w) == expected, rows
     x = random((1, 4, 16), 1)
-    assert not calls_kernel(x, w.astype(jnp.bfloat16))  # bfloat16 weights keep XLA's matmul
-    assert not calls_kernel(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
+    for rows in (1, 4, 300):  # bfloat16 weights take it at every row count
+        assert calls_kernel(random((1, rows, 16), 1), w.astype(jnp.bfloat16)), rows
     use_native(monkeypatch, False)
     assert not calls_kernel(x, w)
+    assert not calls_kernel(x, w.astype(jnp.bfloat16))
 
 
-def test_linear_fallback_equals_kernel(kernel, monkeypatch):
-    x, w = random((2, 3, 40), 6), random((33, 40), 7)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_linear_fallback_equals_kernel(kernel, monkeypatch, dtype):
+    x, w = random((2, 3, 40), 6), random((33, 40), 7).astype(dtype)
     with_kernel = np.asarray(jax.jit(M.linear)(x, w))
     use_native(monkeypatch, False)
     np.testing.assert_allclose(np.asarray(jax.jit(M.linear)(x, w)), with_kernel, atol=1e-5)
@@ -92,13 +97,15 @@ def test_linear_fallback_equals_kernel(kernel, monkeypatch):
 METHODS = {"ar": {}, "layer-skip": dict(skip_layers=(1,)), "ngram": {}}
 
 
-def test_generation_is_token_identical(kernel, tiny_llama, monkeypatch):
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_generation_is_token_identical(kernel, tiny_llama, monkeypatch, dtype):
     rng = np.random.default_rng(0)
     motif = rng.integers(0, tiny_llama.cfg.vocab_size, 5)
     prompts = [{"token_ids": np.resize(motif, n).tolist()} for n in (7, 12, 20, 9)]
 
     def run():
-        m = Model(tiny_llama.cfg, tiny_llama.params, name="tiny")  # a fresh cache of compiled programs
+        params = jax.tree.map(lambda x: x.astype(dtype), tiny_llama.params)
+        m = Model(tiny_llama.cfg, params, name="tiny")  # a fresh cache of compiled programs
         return {(method, b): [r["token_ids"] for r in m.generate(prompts[:b], method, max_new_tokens=12,
                                                                   batch_size=b, **opts)]
                 for method, opts in METHODS.items() for b in (1, 4)}

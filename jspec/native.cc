@@ -29,7 +29,6 @@
 
 namespace ffi = xla::ffi;
 using Matrix = ffi::Buffer<ffi::F32, 2>;
-using Bf16Matrix = ffi::Buffer<ffi::BF16, 2>;
 
 #define AVX2 __attribute__((target("avx2,fma")))
 
@@ -142,14 +141,16 @@ struct Work {
   }
 };
 
-template <typename W, typename WMatrix>
-ffi::Error Matmul(ffi::ThreadPool pool, Matrix x, WMatrix w, ffi::Result<Matrix> out) {
+// WT is the weight's dtype: F32, or BF16 (whose native type is its 16 bits, uint16_t).
+template <ffi::DataType WT>
+ffi::Error Matmul(ffi::ThreadPool pool, Matrix x, ffi::Buffer<WT, 2> w, ffi::Result<Matrix> out) {
+  using W = ffi::NativeType<WT>;
   const int64_t rows = x.dimensions()[0], d = x.dimensions()[1], n_total = w.dimensions()[0];
   if (w.dimensions()[1] != d) return ffi::Error::InvalidArgument("jspec_matmul: x and w differ in D");
   if (rows == 0 || n_total == 0) return ffi::Error::Success();
   auto work = std::make_shared<Work<W>>();
   work->x = x.typed_data();
-  work->w = reinterpret_cast<const W*>(w.untyped_data());
+  work->w = w.typed_data();
   work->out = out->typed_data();
   work->rows = rows;
   work->n_total = n_total;
@@ -167,18 +168,13 @@ ffi::Error Matmul(ffi::ThreadPool pool, Matrix x, WMatrix w, ffi::Result<Matrix>
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecMatmul, (Matmul<float, Matrix>),
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<Matrix>()
-                                  .Arg<Matrix>()
-                                  .Ret<Matrix>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecMatmulBf16, (Matmul<uint16_t, Bf16Matrix>),
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<Matrix>()
-                                  .Arg<Bf16Matrix>()
-                                  .Ret<Matrix>());
+template <ffi::DataType WT>
+auto Binding() {
+  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<Matrix>().Arg<ffi::Buffer<WT, 2>>().template Ret<Matrix>();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecMatmul, Matmul<ffi::F32>, Binding<ffi::F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecMatmulBf16, Matmul<ffi::BF16>, Binding<ffi::BF16>());
 
 extern "C" int jspec_cpu_supported() {
   __builtin_cpu_init();

@@ -52,7 +52,7 @@ def forward_programs(m):
         return M.logits(params, m.cfg, h), cache
 
     def args(r):
-        return (M.KVCache.zeros(m.cfg, 1, 512, jnp.float32), jnp.zeros((1, r), jnp.int32),
+        return (M.KVCache.zeros(m.cfg, 1, 512), jnp.zeros((1, r), jnp.int32),
                 jnp.arange(100, 100 + r, dtype=jnp.int32)[None])
 
     def build():

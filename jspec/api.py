@@ -15,6 +15,7 @@ record, prefill included.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec import sharding
+from jspec import distributed, sharding
 from jspec.config import ModelConfig
 from jspec.convert import cache as model_cache
 from jspec.convert import store
@@ -56,7 +57,13 @@ def load(model: str | None = None, dtype: str = "float32", mesh: str | jax.shard
     if dtype not in store.DTYPES:
         raise JspecError(f"unknown dtype {dtype!r}; choose float32 or bfloat16")
     mesh = sharding.make_mesh(mesh)
+    # In a multi-process run on one machine the processes share the model cache: process 0
+    # converts, the others wait and then find the converted folder.
+    if not distributed.is_writer():
+        distributed.barrier("jspec.load")
     path = model_cache.resolve(model, dtype)
+    if distributed.is_writer():
+        distributed.barrier("jspec.load")
     cfg, _ = store.read_meta(path)
     shardings = sharding.param_shardings(param_shapes(cfg), mesh) if mesh is not None else None
     cfg, params, tokenizer = store.load(path, dtype, shardings)
@@ -116,6 +123,8 @@ class Model:
                 ids = self.encode(p, chat)
             if not ids:
                 raise JspecError(f"prompt {pid!r} is empty")
+            if max(ids) >= self.cfg.vocab_size or min(ids) < 0:
+                raise JspecError(f"prompt {pid!r} holds token ids outside the model's vocabulary (0..{self.cfg.vocab_size - 1})")
             out.append(Request(pid, ids, i))
         return out
 
@@ -184,7 +193,7 @@ class Model:
         fn = self._compile(rows, p, s, max_new, sampling, plan, cache, args, key)
         t0 = time.perf_counter()
         out, stats, cache = fn(self.params, dparams, cache, *args, key)
-        out, stats = jax.device_get((out, stats))
+        out, stats = distributed.gather((out, stats))
         seconds = time.perf_counter() - t0
         self._caches[(rows, s)] = cache
         return [self._record(r, out[i, :stats["new_tokens"][i]], {k: int(v[i]) for k, v in stats.items()}, seconds)
@@ -193,16 +202,18 @@ class Model:
     def _place(self, tokens, prompt_lens, eos):
         if self.mesh is None:
             return jnp.asarray(tokens), jnp.asarray(prompt_lens), jnp.asarray(eos)
-        put = lambda x: jax.device_put(x, sharding.rows_sharding(self.mesh, x.shape))
-        return put(tokens), put(prompt_lens), jax.device_put(eos, sharding.NamedSharding(self.mesh, sharding.P()))
+        rows = lambda x: distributed.rows_array(x, sharding.rows_sharding(self.mesh, x.shape))
+        return rows(tokens), rows(prompt_lens), distributed.rows_array(eos, sharding.NamedSharding(self.mesh, sharding.P()))
 
     def _cache(self, rows: int, length: int) -> KVCache:
         cache = self._caches.pop((rows, length), None)
         if cache is None:
-            cache = KVCache.zeros(self.cfg, rows, length)
-            if self.mesh is not None:
-                shape = cache.k[0].shape
-                cache = jax.device_put(cache, sharding.cache_sharding(self.mesh, shape))
+            zeros = functools.partial(KVCache.zeros, self.cfg, rows, length)
+            if self.mesh is None:
+                cache = zeros()
+            else:  # made in place on each device: a multi-process mesh has devices this process cannot feed
+                shape = (rows, length, self.cfg.num_kv_heads, self.cfg.head_dim)
+                cache = jax.jit(zeros, out_shardings=sharding.cache_sharding(self.mesh, shape))()
         return cache
 
     def _compile(self, rows, p, s, max_new, sampling, plan, cache, args, key):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import math
 import os
@@ -164,6 +165,14 @@ def _add_generate(sub) -> None:
                    help="keep the records of an interrupted run (OUT.partial) and do only the rest")
     add_model_options(p)
     add_generation_options(p)
+    g = p.add_argument_group("multi-process (every process runs the same command; docs/multihost.md)")
+    g.add_argument("--distributed", action="store_true",
+                   help="join a multi-process run whose setup jax detects (a TPU pod, Slurm, Open MPI)")
+    g.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address, where the run meets")
+    g.add_argument("--num-processes", type=int, metavar="N", help="how many processes take part")
+    g.add_argument("--process-id", type=int, metavar="I", help="this process's number, 0..N-1 (0 writes the output)")
+    g.add_argument("--init-timeout", type=int, default=300, metavar="S",
+                   help="seconds to wait for the other processes (default: %(default)s)")
     p.set_defaults(func=cmd_generate)
 
 
@@ -178,15 +187,35 @@ def cmd_generate(args: argparse.Namespace) -> int:
     elif args.output is None:
         raise _UsageError("--prompts needs --output OUT.jsonl")
     check_generation_args(args)
+    if args.distributed or args.coordinator or args.num_processes is not None or args.process_id is not None:
+        _join(args)
     if args.prompts is None:
         return _generate_one(args)
     return _generate_file(args)
 
 
+def _join(args: argparse.Namespace) -> None:
+    from jspec import distributed
+
+    if args.mesh is None:
+        raise JspecError("a multi-process run needs --mesh over every process's devices (data=N,model=M)")
+    if args.init_timeout < 1:
+        raise JspecError(f"--init-timeout must be >= 1, got {args.init_timeout}")
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id, auto=args.distributed,
+                           timeout=args.init_timeout)
+    # Paths may differ from host to host; the prompts' contents are compared on their own.
+    command = {k: v for k, v in vars(args).items() if k not in ("process_id", "func", "prompts", "output")}
+    distributed.check_same("options", repr(sorted(command.items())))
+
+
 def _generate_one(args: argparse.Namespace) -> int:
+    from jspec import distributed
+
     model = load_model(args)
     requests = model.requests([args.prompt], chat=not args.no_chat)
     [record] = model.stream(requests, args.method, **generation_options(args))
+    if not distributed.is_writer():
+        return 0
     text = record["text"] if record["text"] is not None else " ".join(map(str, record["token_ids"]))
     sys.stdout.write(text + "\n")
     sys.stdout.flush()
@@ -202,15 +231,21 @@ def _rate(record: dict) -> str:
 def _generate_file(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from jspec.jsonl import RecordWriter, read_prompts
+    import numpy as np
+
+    from jspec import distributed
+    from jspec.jsonl import NoWriter, RecordWriter, read_prompts
 
     prompts = read_prompts(args.prompts)
-    writer = RecordWriter(args.output, resume=args.resume)
-    if writer.complete:
+    distributed.check_same("prompts", json.dumps(prompts, sort_keys=True))
+    # Process 0 alone writes (and resumes) the output; the others learn from it what is left.
+    writer = RecordWriter(args.output, resume=args.resume) if distributed.is_writer() else NoWriter(args.output)
+    done = distributed.from_writer(np.asarray([writer.complete or p["id"] in writer.done_ids for p in prompts]))
+    if done.all() and writer.complete:
         print(f"{args.output} is already complete; nothing to do (run without --resume to redo it)",
               file=sys.stderr)
         return 0
-    todo = [p for p in prompts if p["id"] not in writer.done_ids]
+    todo = [p for p, d in zip(prompts, done) if not d]
     if writer.done_ids:
         print(f"resuming: {len(prompts) - len(todo)} of {len(prompts)} prompts already in {writer.partial}",
               file=sys.stderr)
@@ -220,11 +255,12 @@ def _generate_file(args: argparse.Namespace) -> int:
             model = load_model(args)
             # Each request keeps its index in the whole file, so sampling seeds survive a resume.
             requests = [model.requests([p], chat=not args.no_chat, start=i)[0]
-                        for i, p in enumerate(prompts) if p["id"] not in writer.done_ids]
+                        for i, (p, d) in enumerate(zip(prompts, done)) if not d]
             records = model.stream(requests, args.method, **generation_options(args))
             # delay: a bad prompt found before the first batch (too long, say) fails without a bar.
             with tqdm(total=len(prompts), initial=len(prompts) - len(todo), unit="prompt", file=sys.stderr,
-                      disable=len(prompts) <= 1, delay=0.5, dynamic_ncols=True) as bar:
+                      disable=len(prompts) <= 1 or not distributed.is_writer(), delay=0.5,
+                      dynamic_ncols=True) as bar:
                 batch: list[dict] = []
                 for record in records:
                     batch.append(record)
@@ -245,6 +281,8 @@ def _generate_file(args: argparse.Namespace) -> int:
         if writer.count:
             e.jspec_hint = f"{writer.count} records kept in {writer.partial}; rerun with --resume to continue"
         raise
+    if not distributed.is_writer():
+        return 0
     rate = f", {tokens / seconds:.1f} tokens/s" if seconds > 0 else ""
     print(f"[{len(prompts)} records in {path}; this run: {len(todo)} prompts, {int(tokens)} tokens, "
           f"{seconds:.2f} s{rate}]", file=sys.stderr)

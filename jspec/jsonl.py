@@ -1,7 +1,8 @@
 """JSONL prompts in, JSONL records out, and an output file that is never half-written.
 
-Prompts: one JSON object a line, with `prompt` (a string) or `messages` (a list of
-{role, content}), and optionally `id` (default: the 0-based index among the prompt lines).
+Prompts: one JSON object a line, with `prompt` (a string), `messages` (a list of
+{role, content}) or `token_ids` (already tokenized, used as they are), and optionally `id`
+(default: the 0-based index among the prompt lines).
 A file whose name ends in .gz is read gzip-compressed.
 
 Records go to `OUT.partial`, appended and fsynced batch by batch as the batches finish;
@@ -24,10 +25,10 @@ from jspec.errors import JspecError
 
 def read_prompts(path) -> list[dict]:
     """The prompts of a JSONL file (a path, .gz too, or a shipped set's file from
-    `prompt_sets.resolve`), as dicts with `id` and `prompt` or `messages`, in file order."""
+    `prompt_sets.resolve`), as dicts with `id` and `prompt`, `messages` or `token_ids`, in file order."""
     prompts: list[dict] = []
     seen: dict[Any, int] = {}
-    for lineno, where, obj in _objects(path, "prompts", 'with "prompt" or "messages"'):
+    for lineno, where, obj in _objects(path, "prompts", 'with "prompt", "messages" or "token_ids"'):
         prompt = {"id": _check_id(obj.get("id", len(prompts)), where, lineno, seen)}
         if "prompt" in obj:
             if not isinstance(obj["prompt"], str):
@@ -37,8 +38,13 @@ def read_prompts(path) -> list[dict]:
             prompt["prompt"] = obj["prompt"]
         elif "messages" in obj:
             prompt["messages"] = _check_messages(obj["messages"], where)
+        elif "token_ids" in obj:
+            ids = obj["token_ids"]
+            if not (isinstance(ids, list) and ids and all(type(t) is int and t >= 0 for t in ids)):
+                raise JspecError(f"{where}: \"token_ids\" must be a non-empty list of token ids (integers >= 0)")
+            prompt["token_ids"] = ids
         else:
-            raise JspecError(f"{where}: has neither \"prompt\" nor \"messages\"")
+            raise JspecError(f"{where}: has none of \"prompt\", \"messages\" and \"token_ids\"")
         prompts.append(prompt)
     if not prompts:
         raise JspecError(f"prompts file {path} has no prompts")
@@ -206,3 +212,24 @@ class RecordWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class NoWriter:
+    """The RecordWriter of a process that computes rows but does not write them (every process
+    of a multi-process run but process 0): it has written nothing and keeps nothing."""
+
+    done_ids: frozenset = frozenset()
+    complete = False
+    count = 0
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+
+    def write(self, records: Iterable[dict]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def finish(self, order: Sequence | None = None) -> Path:
+        return self.path

@@ -227,11 +227,12 @@ def assert_one_error(code: int, out: str, err: str, phrase: str) -> None:
     (None, "does not exist"),
     (["", "  "], "has no prompts"),
     ([{"prompt": "ok"}, '{"prompt": "a" "b"}'], "line 2: not valid JSON"),
-    ([{"text": "no prompt here"}], "line 1: has neither"),
+    ([{"text": "no prompt here"}], "line 1: has none of"),
     (["[1, 2]"], "line 1: expected a JSON object"),
     ([{"prompt": "  "}], "line 1: \"prompt\" is empty"),
     ([{"id": "a", "prompt": "x"}, "", {"id": "a", "prompt": "y"}], "line 3: duplicate id \"a\""),
     ([{"messages": "hi"}], "line 1: \"messages\" must be"),
+    ([{"token_ids": [1, -2]}], "line 1: \"token_ids\" must be"),
 ])
 def test_bad_prompts_file(capsys, tmp_path, lines, phrase):
     path = tmp_path / "in.jsonl"

@@ -1,0 +1,128 @@
+"""Multi-process generation through jax.distributed: two real processes on this machine, each
+with 4 simulated CPU devices and gloo collectives, one data=2,model=4 mesh across them.
+
+What a pod does, shrunk: the two-process run writes what the one-process run on the same mesh
+writes, a resumed two-process run loses nothing, and bad setups end in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import TINY
+from jspec import cli
+
+pytestmark = pytest.mark.slow  # each run starts two Python processes that compile the loop
+MESH = "data=2,model=4"
+ARGS = ["--mesh", MESH, "--batch-size", "4", "--max-new-tokens", "12", "--method", "ngram"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def launch(model, *argv, num=(2, 2), timeout=240, only=None, init_timeout=60):
+    """Run `jspec generate argv` as processes 0 and 1 (or `only` one of them) of one run; returns
+    [(returncode, stderr)] by process id."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    coordinator = f"localhost:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, "-m", "jspec.cli", "generate", *map(str, argv), "--model", str(model),
+                               "--coordinator", coordinator, "--num-processes", str(num[i]), "--process-id", str(i),
+                               "--init-timeout", str(init_timeout)],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for i in (range(2) if only is None else [only])]
+    try:
+        return [(p.wait(timeout=timeout), p.stderr.read()) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def records(path):
+    return {r["id"]: r["token_ids"] for r in map(json.loads, path.read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_llama, tmp_path_factory):
+    """The tiny model's folder, a prompts file and the one-process output on the same mesh."""
+    tmp = tmp_path_factory.mktemp("distributed")
+    rng = np.random.default_rng(3)
+    prompts = tmp / "in.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "token_ids": rng.integers(3, TINY["vocab_size"], n).tolist()})
+                               + "\n" for i, n in enumerate([5, 17, 9, 30, 12, 3, 22])))
+    reference = tmp / "one.jsonl"
+    assert cli.main(["generate", "--prompts", str(prompts), "--output", str(reference), "--model",
+                     str(tiny_llama.path), *ARGS]) == 0
+    return tiny_llama.path, prompts, records(reference)
+
+
+def test_two_processes_write_what_one_writes(setup, tmp_path):
+    model, prompts, reference = setup
+    out = tmp_path / "two.jsonl"
+    results = launch(model, "--prompts", prompts, "--output", out, *ARGS)
+    assert [rc for rc, _ in results] == [0, 0], results
+    assert list(records(out).items()) == list(reference.items())  # every record once, in prompt order
+    assert not (tmp_path / "two.jsonl.partial").exists()
+
+
+def test_two_processes_resume(setup, tmp_path):
+    model, prompts, reference = setup
+    out = tmp_path / "two.jsonl"
+    kept = list(reference)[:3]  # an interrupted run's partial file: its first records
+    (tmp_path / "two.jsonl.partial").write_text("".join(
+        json.dumps({"id": i, "token_ids": reference[i]}) + "\n" for i in kept))
+    results = launch(model, "--prompts", prompts, "--output", out, "--resume", *ARGS)
+    assert [rc for rc, _ in results] == [0, 0], results
+    assert "resuming: 3 of 7 prompts" in results[0][1]
+    assert records(out) == reference
+
+
+def one_line_error(rc, err, phrase):
+    lines = [line for line in err.splitlines() if line.startswith("jspec: ")]
+    assert rc == 2 and "Traceback" not in err and len(lines) == 1 and phrase in lines[0], err
+
+
+def test_no_coordinator_is_one_line(setup, tmp_path):
+    model, prompts, _ = setup
+    t0 = time.monotonic()
+    [(rc, err)] = launch(model, "--prompts", prompts, "--output", tmp_path / "o.jsonl", *ARGS[:2], only=1, init_timeout=5)
+    one_line_error(rc, err, "no coordinator answered at localhost:")
+    assert time.monotonic() - t0 < 60
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_mismatched_process_counts_are_one_line(setup, tmp_path):
+    model, prompts, _ = setup
+    results = launch(model, "--prompts", prompts, "--output", tmp_path / "o.jsonl", *ARGS[:2], num=(2, 3))
+    for rc, err in results:
+        one_line_error(rc, err, "disagree on --num-processes")
+
+
+def test_different_commands_are_one_line(setup, tmp_path):
+    model, prompts, _ = setup
+    other = tmp_path / "other.jsonl"
+    other.write_text(prompts.read_text().replace('"p0"', '"q0"'))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    coordinator = f"localhost:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, "-m", "jspec.cli", "generate", "--prompts", str(p), "--output",
+                               str(tmp_path / "o.jsonl"), "--model", str(model), *ARGS[:2], "--coordinator",
+                               coordinator, "--num-processes", "2", "--process-id", str(i)],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for i, p in enumerate([prompts, other])]
+    try:
+        results = [(p.wait(timeout=240), p.stderr.read()) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for rc, err in results:
+        one_line_error(rc, err, "were given other prompts than process 0")

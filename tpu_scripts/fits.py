@@ -31,7 +31,7 @@ LLAMAS = {
     "Llama-3.1-70B": dict(hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8,
                           head_dim=128, tie_word_embeddings=False),
 }
-MESHES = [(1, 1), (1, 4), (1, 8), (2, 8), (1, 16), (4, 16), (1, 32)]
+MESHES = [(1, 1), (1, 4), (1, 8), (4, 8), (1, 16)]
 CHIPS = {"v5e": 16, "v4 / v6e": 32, "v5p": 95}  # HBM per chip, GiB
 
 

@@ -1,0 +1,27 @@
+"""tpu_scripts/fits.py, the README's what-fits-where table: its sizes come from jspec's shapes and rules."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+spec = importlib.util.spec_from_file_location("fits", Path(__file__).resolve().parents[1] / "tpu_scripts" / "fits.py")
+fits = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(fits)
+
+
+def test_weights_are_the_published_parameter_counts():
+    one = {"data": 1, "model": 1}
+    # Llama 3.1 8B and 70B and Llama 3.2 1B as their model cards count them, 2 bytes each in bfloat16.
+    for name, params in [("Llama-3.1-8B", 8_030_261_248), ("Llama-3.1-70B", 70_553_706_496),
+                         ("Llama-3.2-1B", 1_235_814_400)]:
+        assert fits.weights_bytes(fits.config(fits.LLAMAS[name]), one) == 2 * params
+
+
+def test_cache_splits_over_kv_heads_only_while_they_divide():
+    cfg = fits.config(fits.LLAMAS["Llama-3.1-8B"])  # 8 kv heads
+    whole = fits.cache_bytes(cfg, {"data": 1, "model": 1}, rows=8, context=4096)
+    assert whole == 2 * 32 * 4 * 8 * 4096 * 8 * 128  # k and v, 32 layers, float32, rows x positions x heads x dim
+    assert fits.cache_bytes(cfg, {"data": 1, "model": 8}, rows=8, context=4096) == whole // 8
+    assert fits.cache_bytes(cfg, {"data": 1, "model": 16}, rows=8, context=4096) == whole
+    assert fits.cache_bytes(cfg, {"data": 4, "model": 8}, rows=8, context=4096) == whole // 8  # 4x the rows, over 4

@@ -127,8 +127,10 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
 
 
 def _mjsd(model, k, exit_layer, draft_model, head, beam_width, accept_threshold, ctrl):
-    """Beams over a draft model if one is given, else over a head (--head, or the shipped EESD head of
-    the default model), else over the target's first --exit-layer layers."""
+    """Beams over --draft-model, else over --head, else over the target's first --exit-layer layers
+    and its own LM head, else over the shipped EESD head (default model), else over early exit at a
+    quarter of the layers. --exit-layer may name every layer: the target drafting for itself, the
+    MJGD approximation (slow, a quality reference)."""
     width = BEAM_WIDTH if beam_width is None else beam_width
     tau = ACCEPT_THRESHOLD if accept_threshold is None else accept_threshold
     if not 1 <= width <= 64:
@@ -137,9 +139,11 @@ def _mjsd(model, k, exit_layer, draft_model, head, beam_width, accept_threshold,
         raise JspecError(f"--accept-threshold must be a positive number, got {tau}")
     if draft_model is not None:
         inner, dparams, ctrl = build("draft", model, max_draft=k, controller="fixed", draft_model=draft_model)
-    elif head is not None or shipped(model, "eesd") is not None:
+    elif head is not None or (exit_layer is None and shipped(model, "eesd") is not None):
         kind = heads.read_meta(head)["kind"] if head is not None else "eesd"
         inner, dparams, ctrl = build(kind, model, max_draft=k, controller="fixed", exit_layer=exit_layer, head=head)
+    elif exit_layer == model.cfg.num_layers:
+        inner, dparams = EarlyExit(max_draft=k, exit_layer=exit_layer), ()
     else:
         inner, dparams, ctrl = build("early-exit", model, max_draft=k, controller="fixed", exit_layer=exit_layer)
     return Beam(inner=inner, width=width, threshold=tau), dparams, ctrl

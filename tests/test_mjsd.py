@@ -123,14 +123,16 @@ def test_target_as_drafter_is_mjgd(small, monkeypatch):
         assert r["stats"]["accepted"] == r["stats"]["drafted"]  # r_d is ~0: every draft passes
 
 
-def test_one_beam_tiny_tau_accepts_every_draft(small):
+# Sampled: no top-k or top-p, which could give a drafted token p = 0 (r_d = -inf).
+@pytest.mark.parametrize("sampling", [dict(), pytest.param(dict(temperature=1.0), marks=pytest.mark.slow)],
+                         ids=["greedy", "sampling"])
+def test_one_beam_tiny_tau_accepts_every_draft(small, sampling):
     model, _ = small
-    for sampling in (dict(), dict(temperature=1.0)):  # no top-k: it could give a draft p = 0
-        records = model.generate(PROMPTS, method="mjsd", max_new_tokens=12, max_draft=3, exit_layer=1,
-                                 beam_width=1, accept_threshold=1e-300, **sampling)
-        for r in records:
-            assert r["new_tokens"] == 12 and r["stats"]["drafted"] > 0
-            assert r["stats"]["accepted"] == r["stats"]["drafted"]
+    records = model.generate(PROMPTS, method="mjsd", max_new_tokens=12, max_draft=3, exit_layer=1,
+                             beam_width=1, accept_threshold=1e-300, **sampling)
+    for r in records:
+        assert r["new_tokens"] == 12 and r["stats"]["drafted"] > 0
+        assert r["stats"]["accepted"] == r["stats"]["drafted"]
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +144,7 @@ def head_path(small, tmp_path_factory):
                           heads.init(model.params, model.cfg, "eesd", 1, vocab), meta))
 
 
-@pytest.mark.parametrize("drafter", ["head", "draft-model"])
+@pytest.mark.parametrize("drafter", ["head", pytest.param("draft-model", marks=pytest.mark.slow)])
 def test_batch_rows_equal_batch_one(small, head_path, drafter):
     model, _ = small
     if drafter == "head":
@@ -163,17 +165,50 @@ def test_beams_never_read_each_others_entries(small, head_path):
     drafter, dparams, _ = methods.build("mjsd", model, head=head_path, beam_width=w, max_draft=k)
     tokens = jnp.array([PROMPTS[0]["token_ids"]], jnp.int32)
     lens = jnp.array([tokens.shape[1]])
-    _, cache, dstate = drafter.prefill(model.params, dparams, cfg, tokens, lens, KVCache.zeros(cfg, 1, 32))
+    prefill = jax.jit(lambda p, d, c: drafter.prefill(p, d, cfg, tokens, lens, c))
+    _, cache, dstate = prefill(model.params, dparams, KVCache.zeros(cfg, 1, 32))
     stack = drafter.stack(model.params, dparams, cfg, cache, dstate)
     keys = iter(jax.random.split(jax.random.key(1), 64))
     entries = [tuple(jax.random.normal(next(keys), x.shape) for x in kv) for kv in empty_entries(stack, 1, w, k)]
     x = jnp.array([[3, 4, 5, 6]], jnp.int32)
-    base, _, _ = beam_step(stack, x, lens, j, entries)
+    step = jax.jit(lambda e: beam_step(stack, x, lens, j, e)[0])
+    base = step(entries)
     # Beam 1's entries, every slot, every layer: only beam 1's logits may move.
-    bumped = [tuple(e.at[:, 1].add(5.0) for e in kv) for kv in entries]
-    moved, _, _ = beam_step(stack, x, lens, j, bumped)
+    moved = step([tuple(e.at[:, 1].add(5.0) for e in kv) for kv in entries])
     np.testing.assert_array_equal(np.asarray(moved)[:, [0, 2, 3]], np.asarray(base)[:, [0, 2, 3]])
     assert not np.allclose(np.asarray(moved)[:, 1], np.asarray(base)[:, 1])
+
+
+@pytest.mark.slow  # 40 s here: two drafters compile
+def test_one_beam_drafts_and_caches_like_the_token_by_token_drafter(small, head_path):
+    """W = 1 beam search is greedy drafting: the same tokens, and the same cache, layer-N states
+    and head entries left behind for verification."""
+    import types
+
+    model, _ = small
+    cfg, k = model.cfg, 3
+    beam, dparams, ctrl = methods.build("mjsd", model, head=head_path, beam_width=1, max_draft=k)
+    tokens = jnp.array([PROMPTS[0]["token_ids"], PROMPTS[2]["token_ids"][:6]], jnp.int32)
+    lens = jnp.array([6, 5])
+
+    def draft(params, dparams, cache, use_beam):
+        drafter = beam if use_beam else beam.inner
+        _, cache, dstate = drafter.prefill(params, dparams, cfg, tokens, lens, cache)
+        s = types.SimpleNamespace(cache=cache, dstate=dstate, last=jnp.array([7, 1]), length=lens,
+                                  done=jnp.zeros(2, bool), cstate=ctrl.init(2, k))
+        return drafter.draft(params, dparams, cfg, s, ctrl, Sampling(), jax.random.key(0))
+
+    draft = jax.jit(draft, static_argnums=3)
+    want, got = (draft(model.params, dparams, KVCache.zeros(cfg, 2, 32), b) for b in (False, True))
+    assert got.tokens.tolist() == want.tokens.tolist() and got.n.tolist() == want.n.tolist() == [k, k]
+    close = lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+    close(got.dstate["hidden"], want.dstate["hidden"])
+    for i in range(cfg.num_layers):  # the prompts and this round's entries, up to position 6 + k
+        close(got.cache.k[i][:, :7 + k], want.cache.k[i][:, :7 + k])
+        close(got.cache.v[i][:, :7 + k], want.cache.v[i][:, :7 + k])
+    close(got.dstate["head"]["k"][:, :7 + k], want.dstate["head"]["k"][:, :7 + k])
+    close(got.dstate["head"]["v"][:, :7 + k], want.dstate["head"]["v"][:, :7 + k])
+    assert np.all(np.isfinite(np.asarray(got.logq))) and np.all(np.asarray(got.logq) <= 0)
 
 
 def test_options_checked(small):
@@ -187,3 +222,29 @@ def test_options_checked(small):
     with pytest.raises(JspecError, match="no --controller"):
         methods.build("mjsd", model, controller="confidence")
     assert "mjsd" in methods.LOSSY and "mjsd" not in methods.LOSSLESS
+
+
+# -- command line --------------------------------------------------------------------------------
+
+def test_cli_warns_that_mjsd_is_lossy(capsys, tmp_path):
+    from jspec.cli import main
+
+    code = main(["generate", "hi", "--model", str(tmp_path / "missing"), "--method", "mjsd", "--beam-width", "2"])
+    err = capsys.readouterr().err.splitlines()
+    assert code != 0
+    assert err[0] == "jspec: warning: --method mjsd is lossy: its output differs from --method ar's"
+    assert len(err) == 2 and err[1].startswith("jspec: error:")
+
+
+@pytest.mark.slow
+def test_cli_default_model(capsys, default_model):
+    """The shipped EESD head drafts on the default model; every record counts its accepted tokens."""
+    from jspec.cli import main
+
+    code = main(["generate", "Name three primes.", "--method", "mjsd", "--max-new-tokens", "24",
+                 "--beam-width", "2", "--accept-threshold", "0.3"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert out.strip() and "lossy" in err
+    [r] = default_model.generate("Name three primes.", method="mjsd", max_new_tokens=24)
+    assert r["stats"]["mean_accepted_tokens"] >= 1.0 and r["stats"]["drafted"] > 0

@@ -131,13 +131,16 @@ def beam_search(stack: Stack, last, length, width: int, k: int, sampling: Sampli
             lq = jax.nn.log_softmax(logits, axis=-1)  # [B, W, V]
         else:
             lq = jnp.log(probabilities(logits, sampling))
-        v = lq.shape[-1]
-        joint = (score[:, :, None] + lq).reshape(b, -1)  # [B, W*V]
+        joint = score[:, :, None] + lq  # [B, W, V]
         rank = joint if sampling.greedy else joint + jax.random.gumbel(sub, joint.shape)
-        _, pick = jax.lax.top_k(rank, width)  # [B, W]
-        parent, tok = pick // v, (pick % v).astype(jnp.int32)
-        score = jnp.take_along_axis(joint, pick, axis=1)
-        tok_lq = jnp.take_along_axis(lq.reshape(b, -1), pick, axis=1)
+        # The W best of W x V are among each beam's own W best: two small top-k, not one over W x V.
+        rank_w, tok_w = jax.lax.top_k(rank, width)  # [B, W, W]
+        _, pick = jax.lax.top_k(rank_w.reshape(b, -1), width)  # [B, W] into the W x W
+        parent = pick // width
+        tok = jnp.take_along_axis(tok_w.reshape(b, -1), pick, axis=1).astype(jnp.int32)
+        flat = parent * lq.shape[-1] + tok
+        score = jnp.take_along_axis(joint.reshape(b, -1), flat, axis=1)
+        tok_lq = jnp.take_along_axis(lq.reshape(b, -1), flat, axis=1)
         tokens = _by_beam(tokens, parent).at[:, :, j].set(tok)
         logq = _by_beam(logq, parent).at[:, :, j].set(tok_lq)
         exits = _by_beam(exits, parent)

@@ -29,12 +29,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--methods", default=DEFAULT_METHODS, help="jspec bench --methods syntax")
     ap.add_argument("--limit", type=int, default=1, help="prompts per Spec-Bench category")
+    ap.add_argument("--categories", default=None, help="comma-separated Spec-Bench categories (default: all)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--output", default="benchmarks/results_mjsd.jsonl")
     args = ap.parse_args()
 
     model = jspec.load()
     prompts = bench.read_bench_prompts(prompt_sets.resolve(prompt_sets.SPEC_BENCH), args.limit)
+    if args.categories:
+        prompts = [p for p in prompts if p["category"] in args.categories.split(",")]
     requests = model.requests(prompts)
     specs = bench.parse_methods(args.methods)
     plans = {s.label: (s.name, dict(s.options)) for s in specs}
@@ -58,7 +61,8 @@ def main() -> None:
 
     ar = totals[specs[0].label]
     ar_rate = ar["tokens"] / ar["seconds"]
-    print(f"{len(requests)} prompts, batch 1, {args.max_new_tokens} new tokens, greedy\n")
+    print(f"{len(requests)} prompts ({args.limit} per category of {args.categories or 'all'}), batch 1, "
+          f"{args.max_new_tokens} new tokens, greedy\n")
     print("| method | tokens/s | vs ar | mean accepted tokens | output NLL | NLL vs ar |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     ar_nll = quality.mean_nll(model, ar["pairs"])

@@ -133,8 +133,9 @@ def _mjsd(model, k, exit_layer, draft_model, head, beam_width, accept_threshold,
     MJGD approximation (slow, a quality reference)."""
     width = BEAM_WIDTH if beam_width is None else beam_width
     tau = ACCEPT_THRESHOLD if accept_threshold is None else accept_threshold
-    if not 1 <= width <= 64:
-        raise JspecError(f"--beam-width must be between 1 and 64, got {width}")
+    most = min(64, model.cfg.vocab_size)
+    if not 1 <= width <= most:
+        raise JspecError(f"--beam-width must be between 1 and {most}, got {width}")
     if not (0 < tau < float("inf")):
         raise JspecError(f"--accept-threshold must be a positive number, got {tau}")
     if draft_model is not None:

@@ -238,11 +238,12 @@ def test_cli_warns_that_mjsd_is_lossy(capsys, tmp_path):
 
 @pytest.mark.slow
 def test_cli_default_model(capsys, default_model):
-    """The shipped EESD head drafts on the default model; every record counts its accepted tokens."""
+    """The shipped EESD head drafts on the default model, beam sampling on the command line and
+    beam search through the API; every record counts its accepted tokens."""
     from jspec.cli import main
 
     code = main(["generate", "Name three primes.", "--method", "mjsd", "--max-new-tokens", "24",
-                 "--beam-width", "2", "--accept-threshold", "0.3"])
+                 "--beam-width", "2", "--accept-threshold", "0.3", "--temperature", "0.8", "--top-p", "0.9"])
     out, err = capsys.readouterr()
     assert code == 0, err
     assert out.strip() and "lossy" in err

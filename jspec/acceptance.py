@@ -58,3 +58,27 @@ def rejection(draft: jax.Array, draft_probs: jax.Array | None, n_draft: jax.Arra
     rejected = (n_acc < n_draft)[:, None] & (mass > 0)
     dist = jnp.where(rejected, residual / jnp.where(mass > 0, mass, 1.0), p_next)
     return n_acc, sample(dist, key_next)
+
+
+def joint(draft: jax.Array, draft_logq: jax.Array, n_draft: jax.Array, target_logits: jax.Array,
+          sampling: Sampling, log_tau: float, key: jax.Array):
+    """MJSD's joint-likelihood rule: with r_d = sum_{t<=d} log p(x_t) - log q(x_t) over the draft,
+    keep the largest d <= n_draft with r_d > log_tau (not the first failure: a longer prefix may
+    pass after a shorter one fails), then the target's token after it (argmax, or a sample from
+    p). `draft_logq` [B, K] is log q of each drafted token. p and q are the untempered softmaxes
+    when greedy, the processed (temperature, top-k, top-p) distributions when sampling. Lossy:
+    the output is no longer the target's own."""
+    k = draft.shape[1]
+    if sampling.greedy:
+        logp = jax.nn.log_softmax(target_logits.astype(jnp.float32), axis=-1)  # [B, K+1, V]
+    else:
+        p = probabilities(target_logits, sampling)
+        logp = jnp.log(p)
+    logp_x = jnp.take_along_axis(logp[:, :k], draft[..., None], axis=-1)[..., 0]  # [B, K]
+    ratio = jnp.cumsum(logp_x - draft_logq, axis=1)  # r_1 .. r_K
+    d = jnp.arange(1, k + 1)[None, :]
+    ok = (ratio > log_tau) & (d <= n_draft[:, None])
+    n_acc = jnp.max(jnp.where(ok, d, 0), axis=1).astype(jnp.int32)
+    if sampling.greedy:
+        return n_acc, jnp.argmax(_at(target_logits, n_acc), axis=-1).astype(jnp.int32)
+    return n_acc, sample(_at(p, n_acc), key)

@@ -82,7 +82,7 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
                    help="feed text prompts as they are, without the model's chat template")
     d = p.add_argument_group("speculative decoding (methods other than ar)")
     d.add_argument("--max-draft", type=int, default=None, metavar="K",
-                   help="most tokens drafted per round (default: 4 for eesd and kangaroo, 8 otherwise)")
+                   help="most tokens drafted per round (default: 4 for eesd, kangaroo and mjsd, 8 otherwise)")
     d.add_argument("--controller", default=None, choices=tuple(CONTROLLERS),
                    help="draft-length controller (default: the method's own, see docs/methods.md)")
     d.add_argument("--threshold", type=float, default=None,
@@ -100,11 +100,17 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     d.add_argument("--head", default=None, metavar="PATH",
                    help="eesd, kangaroo: a head from jspec train-head (default: the one shipped for the "
                         "default model)")
+    d.add_argument("--beam-width", type=int, default=None, metavar="W",
+                   help="mjsd: beams drafted per round (default: 4)")
+    d.add_argument("--accept-threshold", type=float, default=None, metavar="TAU",
+                   help="mjsd: keep the longest draft prefix whose target/draft likelihood ratio exceeds TAU "
+                        "(default: 0.5)")
 
 
 def check_generation_args(args: argparse.Namespace) -> None:
     """Cheap checks of the generation options, before any model is loaded."""
     from jspec.api import METHODS
+    from jspec.methods import LOSSY
     from jspec.sampling import Sampling
 
     if args.method not in METHODS:
@@ -117,6 +123,8 @@ def check_generation_args(args: argparse.Namespace) -> None:
         if not math.isfinite(getattr(args, name)):
             raise JspecError(f"--{name.replace('_', '-')} must be a finite number")
     Sampling(args.temperature, args.top_k, args.top_p)  # raises a JspecError naming the option
+    if args.method in LOSSY:
+        logging.getLogger("jspec").warning(f"--method {args.method} is lossy: its output differs from --method ar's")
     if args.mesh is not None:
         for part in filter(None, args.mesh.replace(" ", "").split(",")):
             name, _, value = part.partition("=")
@@ -135,7 +143,7 @@ def generation_options(args: argparse.Namespace) -> dict:
     method = {"max_draft": args.max_draft, "controller": args.controller, "threshold": args.threshold,
               "thompson_variant": args.thompson_variant, "draft_cost": args.draft_cost,
               "exit_layer": args.exit_layer, "skip_layers": skip, "draft_model": args.draft_model,
-              "head": args.head}
+              "head": args.head, "beam_width": args.beam_width, "accept_threshold": args.accept_threshold}
     return dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, temperature=args.temperature,
                 top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                 **{k: v for k, v in method.items() if v is not None})

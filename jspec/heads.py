@@ -72,6 +72,14 @@ def draft_params(params, hp: dict) -> dict:
     return {**hp, "lm_head": jnp.take(model.head_weight(params), hp["vocab"], axis=0)}
 
 
+def vocab_logits(cfg: ModelConfig, dparams: dict, x: jax.Array) -> jax.Array:
+    """Draft logits [..., V] from the head's normed features x [..., D]: the M draft-vocabulary
+    rows scored, every other token at the lowest float."""
+    sub = model.linear(x, dparams["lm_head"], jnp.float32)  # [..., M]
+    full = jnp.full((*sub.shape[:-1], cfg.vocab_size), jnp.finfo(jnp.float32).min, jnp.float32)
+    return full.at[..., dparams["vocab"]].set(sub)
+
+
 @dataclasses.dataclass(frozen=True)
 class Head:
     """The `head` hook of the early-exit drafter (jspec.drafters.early_exit), over `dparams` made
@@ -83,9 +91,7 @@ class Head:
 
     def logits(self, params, dparams, cfg, h, positions, kv):
         x, kv = block(cfg, dparams, h, positions, kv)
-        sub = model.linear(x, dparams["lm_head"], jnp.float32)  # [B, T, M]
-        full = jnp.full((*sub.shape[:-1], cfg.vocab_size), jnp.finfo(jnp.float32).min, jnp.float32)
-        return full.at[..., dparams["vocab"]].set(sub), kv
+        return vocab_logits(cfg, dparams, x), kv
 
     def advance(self, dparams, cfg, h, positions, kv):
         return block(cfg, dparams, h, positions, kv)[1]

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from jspec import heads, sharding
 from jspec.controllers import make_controller
+from jspec.drafters.beam import Beam
 from jspec.drafters.draft_model import DraftModel
 from jspec.drafters.early_exit import EarlyExit
 from jspec.drafters.layer_skip import LayerSkip
@@ -22,11 +23,16 @@ from jspec.drafters.ngram import NGram
 from jspec.drafters.none import NoDraft
 from jspec.errors import JspecError
 
-METHODS = ("ar", "draft", "early-exit", "eesd", "kangaroo", "layer-skip", "ngram")
-LOSSLESS = METHODS
+METHODS = ("ar", "draft", "early-exit", "eesd", "kangaroo", "layer-skip", "ngram", "mjsd")
+LOSSY = ("mjsd",)  # output differs from ar's; jspec.quality measures by how much
+LOSSLESS = tuple(m for m in METHODS if m not in LOSSY)
 DEFAULT_CONTROLLER = {"ar": "fixed", "draft": "fixed", "early-exit": "confidence", "eesd": "thompson",
-                      "kangaroo": "confidence", "layer-skip": "dv", "ngram": "fixed"}
+                      "kangaroo": "confidence", "layer-skip": "dv", "ngram": "fixed", "mjsd": "fixed"}
 MAX_DRAFT = 8
+# MJSD drafts K = 4 tokens in W = 4 beams with tau = 0.5, the reference's settings (docs/methods.md).
+MJSD_MAX_DRAFT = 4
+BEAM_WIDTH = 4
+ACCEPT_THRESHOLD = 0.5
 HEAD_METHODS = heads.KINDS
 
 
@@ -38,6 +44,8 @@ HEAD_METHODS = heads.KINDS
 def default_max_draft(method: str) -> int:
     if method in HEAD_METHODS:
         return 1 if jax.default_backend() == "cpu" else 4
+    if method == "mjsd":
+        return MJSD_MAX_DRAFT
     return MAX_DRAFT
 
 
@@ -67,18 +75,25 @@ def default_skip_layers(model) -> tuple[int, ...]:
 
 def build(method: str, model, *, max_draft: int | None = None, controller: str | None = None,
           exit_layer: int | None = None, skip_layers=None, draft_model=None, threshold: float | None = None,
-          thompson_variant: str | None = None, draft_cost: float | None = None, head: str | None = None):
+          thompson_variant: str | None = None, draft_cost: float | None = None, head: str | None = None,
+          beam_width: int | None = None, accept_threshold: float | None = None):
     """(drafter, drafter params, controller) for `method` on `model` (a jspec.api.Model)."""
     if method not in METHODS:
         raise JspecError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if method != "mjsd" and (beam_width is not None or accept_threshold is not None):
+        raise JspecError("--beam-width and --accept-threshold go with --method mjsd")
     cfg = model.cfg
     k = default_max_draft(method) if max_draft is None else max_draft
     if method != "ar" and not 1 <= k <= 64:
         raise JspecError(f"--max-draft must be between 1 and 64, got {k}")
     ctrl = make_controller(controller or DEFAULT_CONTROLLER[method], threshold=threshold,
                            variant=thompson_variant, cost=draft_cost)
-    if head is not None and method not in HEAD_METHODS:
-        raise JspecError(f"--head goes with --method {' or '.join(HEAD_METHODS)}")
+    if head is not None and method not in HEAD_METHODS + ("mjsd",):
+        raise JspecError(f"--head goes with --method {', '.join(HEAD_METHODS)} or mjsd")
+    if method == "mjsd":
+        if controller not in (None, "fixed"):
+            raise JspecError("--method mjsd always drafts --max-draft tokens: it takes no --controller")
+        return _mjsd(model, k, exit_layer, draft_model, head, beam_width, accept_threshold, ctrl)
     if method == "ar":
         return NoDraft(), (), ctrl
     if method == "ngram":
@@ -109,6 +124,30 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
         raise JspecError(f"the draft model's vocabulary ({draft_model.cfg.vocab_size}) differs from the "
                          f"target's ({cfg.vocab_size}); they must share a tokenizer")
     return DraftModel(draft_cfg=draft_model.cfg, max_draft=k), _placed(draft_model.params, model), ctrl
+
+
+def _mjsd(model, k, exit_layer, draft_model, head, beam_width, accept_threshold, ctrl):
+    """Beams over --draft-model, else over --head, else over the target's first --exit-layer layers
+    and its own LM head, else over the shipped EESD head (default model), else over early exit at a
+    quarter of the layers. --exit-layer may name every layer: the target drafting for itself, the
+    MJGD approximation (slow, a quality reference)."""
+    width = BEAM_WIDTH if beam_width is None else beam_width
+    tau = ACCEPT_THRESHOLD if accept_threshold is None else accept_threshold
+    most = min(64, model.cfg.vocab_size)
+    if not 1 <= width <= most:
+        raise JspecError(f"--beam-width must be between 1 and {most}, got {width}")
+    if not (0 < tau < float("inf")):
+        raise JspecError(f"--accept-threshold must be a positive number, got {tau}")
+    if draft_model is not None:
+        inner, dparams, ctrl = build("draft", model, max_draft=k, controller="fixed", draft_model=draft_model)
+    elif head is not None or (exit_layer is None and shipped(model, "eesd") is not None):
+        kind = heads.read_meta(head)["kind"] if head is not None else "eesd"
+        inner, dparams, ctrl = build(kind, model, max_draft=k, controller="fixed", exit_layer=exit_layer, head=head)
+    elif exit_layer == model.cfg.num_layers:
+        inner, dparams = EarlyExit(max_draft=k, exit_layer=exit_layer), ()
+    else:
+        inner, dparams, ctrl = build("early-exit", model, max_draft=k, controller="fixed", exit_layer=exit_layer)
+    return Beam(inner=inner, width=width, threshold=tau), dparams, ctrl
 
 
 def _placed(dparams, model):

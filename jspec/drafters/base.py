@@ -31,6 +31,7 @@ class Draft:
     cache: model.KVCache
     dstate: object
     cstate: object
+    logq: jax.Array | None = None  # [B, K] log q of each drafted token, for a rule that needs it (MJSD)
 
 
 def target_prefill(params, cfg, tokens, prompt_lens, cache):
@@ -45,6 +46,9 @@ def last_prompt_state(h, prompt_lens):
 
 class Drafter:
     max_draft: int = 0
+    # The drafter's own acceptance rule, accept(draft, target_logits, sampling, key) -> (n_accepted,
+    # next_token); None is the target's lossless rule (greedy match, or rejection sampling).
+    accept = None
 
     def prefill(self, params, dparams, cfg, tokens, prompt_lens, cache):
         h, cache = target_prefill(params, cfg, tokens, prompt_lens, cache)

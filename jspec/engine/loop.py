@@ -88,7 +88,9 @@ def generate(params, dparams, cache: model.KVCache, tokens, prompt_lens, eos_ids
         fed = jnp.concatenate([s.last[:, None], d.tokens], axis=1)
         h, cache = drafter.verify(params, dparams, cfg, fed, positions, d.cache, d.dstate)
         target_logits = model.logits(params, cfg, h)
-        if sampling.greedy:
+        if drafter.accept is not None:
+            n_acc, nxt = drafter.accept(d, target_logits, sampling, k_accept)
+        elif sampling.greedy:
             n_acc, nxt = acceptance.greedy(d.tokens, d.n, target_logits)
         else:
             n_acc, nxt = acceptance.rejection(d.tokens, d.probs, d.n, target_logits, sampling, k_accept)

@@ -1,0 +1,231 @@
+"""MJSD's beam drafter: W beams over K draft tokens, verified by joint likelihood (jspec.acceptance.joint).
+
+It wraps a drafter that runs a stack of layers token by token: the early-exit drafter (the target's
+first N layers, then a trained head or the target's own LM head) or a separate draft model. All W
+beams go through the stack as W rows of one forward at the same position. Each layer attends over
+
+    the committed prefix, kept once: the drafter's own cache, positions < length (read only), and
+    the beam's draft entries [B, W, K, kv heads, H]: slot j is the token fed at position length + j.
+
+After each step the W best (beam, token) pairs become the new beams, and the draft entries follow
+their parent beam: W x K entries per layer are reordered, never the prefix. A beam's queries see
+its own entries only. At the end the best beam is the draft: its entries are written into the
+drafter's cache at their positions, as the token-by-token drafter would have left them, and its last
+token gets the one pass the token-by-token drafter gives it after its loop.
+
+Greedy: beam search, the top W of beam score + log q (untempered). Sampling: beam sampling, W
+(beam, token) pairs drawn without replacement with probability proportional to the beam's and the
+token's processed draft probabilities (Gumbel top-k). Every live row drafts K tokens (no controller).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jspec import acceptance, heads, model
+from jspec.config import ModelConfig
+from jspec.drafters.base import Draft, Drafter
+from jspec.drafters.draft_model import DraftModel
+from jspec.drafters.early_exit import EarlyExit
+from jspec.sampling import Sampling, probabilities
+
+
+@dataclasses.dataclass
+class Stack:
+    """What one beam step runs: embedding, the trunk (whose output is the exit state an early-exit
+    verifier continues from), the head layers, and the readout to draft logits."""
+
+    cfg: ModelConfig
+    embed: dict  # params holding "embed"
+    trunk: list  # [(layer params, prefix k [B, S, KV, H], prefix v)]
+    head: list  # the same, for layers after the exit state
+    readout: Callable  # h [B, W, D] -> logits [B, W, V]
+
+
+def _attend(q, pk, pv, length, bk, bv, j):
+    """q [B, W, KV, G, H] over the prefix pk, pv [B, S, KV, H] (positions < length [B]) and each
+    beam's own entries bk, bv [B, W, K, KV, H] (slots <= j)."""
+    low = jnp.finfo(jnp.float32).min
+    scale = q.shape[-1] ** -0.5
+    sp = jnp.einsum("bwkgh,bskh->bkgws", q, pk, preferred_element_type=jnp.float32) * scale
+    sp = jnp.where((jnp.arange(pk.shape[1])[None, :] < length[:, None])[:, None, None, None], sp, low)
+    sb = jnp.einsum("bwkgh,bwtkh->bkgwt", q, bk, preferred_element_type=jnp.float32) * scale
+    sb = jnp.where(jnp.arange(bk.shape[2]) <= j, sb, low)
+    probs = jax.nn.softmax(jnp.concatenate([sp, sb], axis=-1), axis=-1)
+    s = pk.shape[1]
+    out = jnp.einsum("bkgws,bskh->bwkgh", probs[..., :s], pv.astype(jnp.float32))
+    return out + jnp.einsum("bkgwt,bwtkh->bwkgh", probs[..., s:], bv)
+
+
+def beam_layer(cfg: ModelConfig, lp, h, cos, sin, pk, pv, length, bk, bv, j):
+    """One decoder layer (attention, then the MLP if lp has one) on the beams' h [B, W, D] at slot j.
+    Returns h and the beams' entries with slot j written."""
+    b, w, _ = h.shape
+    g = cfg.group_size
+    x = model.rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
+    qkv = model.linear(x, lp["wqkv"])
+    if "bqkv" in lp:
+        qkv = qkv + lp["bqkv"]
+    qkv = qkv.reshape(b, w, cfg.num_kv_heads, g + 2, cfg.head_dim)
+    q = model._rotate(qkv[:, :, :, :g], cos[:, :, None, None], sin[:, :, None, None])
+    k = model._rotate(qkv[:, :, :, g], cos[:, :, None], sin[:, :, None])
+    bk = bk.at[:, :, j].set(k.astype(bk.dtype))
+    bv = bv.at[:, :, j].set(qkv[:, :, :, g + 1].astype(bv.dtype))
+    out = _attend(q, pk, pv, length, bk, bv, j)
+    h = h + model.linear(out.reshape(b, w, -1), lp["wo"])
+    if "w_down" in lp:
+        h = model.mlp_block(cfg, lp, h)
+    return h, bk, bv
+
+
+def empty_entries(stack: Stack, batch: int, width: int, k: int):
+    """Zeroed draft entries, (k, v) [B, W, K, KV, H] per trunk and head layer."""
+    shape = (batch, width, k, stack.cfg.num_kv_heads, stack.cfg.head_dim)
+    return [(jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
+            for _ in stack.trunk + stack.head]
+
+
+def beam_step(stack: Stack, x, length, j, entries):
+    """Feed x [B, W] (one token per beam) at position length + j, slot j.
+    Returns (logits [B, W, V], exit state [B, W, D], entries)."""
+    cfg = stack.cfg
+    h = model.embed(stack.embed, x)
+    cos, sin = model.rope(cfg, jnp.broadcast_to((length + j)[:, None], x.shape))
+    out, exit_state = [], None
+    for i, (lp, pk, pv) in enumerate(stack.trunk + stack.head):
+        if i == len(stack.trunk):
+            exit_state = h
+        h, bk, bv = beam_layer(cfg, lp, h, cos, sin, pk, pv, length, *entries[i], j)
+        out.append((bk, bv))
+    if exit_state is None:
+        exit_state = h
+    return stack.readout(h), exit_state, out
+
+
+def _by_beam(x, index):
+    """x [B, W, ...] with beams picked by index [B, W'] (or [B] for one beam)."""
+    if index.ndim == 1:
+        return jnp.take_along_axis(x, index.reshape(-1, 1, *([1] * (x.ndim - 2))), axis=1)[:, 0]
+    return jnp.take_along_axis(x, index.reshape(*index.shape, *([1] * (x.ndim - 2))), axis=1)
+
+
+def beam_search(stack: Stack, last, length, width: int, k: int, sampling: Sampling, key):
+    """W beams over K tokens from last [B] at position length [B]. Returns the best beam's
+    (tokens [B, K], log q [B, K], exit states [B, K, D] of slots 0..K-1, entries (k, v) [B, K, KV, H]
+    per layer)."""
+    b = last.shape[0]
+    low = -jnp.inf
+    d = stack.cfg.hidden_size
+
+    def body(j, st):
+        x, score, tokens, logq, exits, entries, key = st
+        logits, exit_state, entries = beam_step(stack, x, length, j, entries)
+        exits = exits.at[:, :, j].set(exit_state)
+        key, sub = jax.random.split(key)
+        if sampling.greedy:
+            lq = jax.nn.log_softmax(logits, axis=-1)  # [B, W, V]
+        else:
+            lq = jnp.log(probabilities(logits, sampling))
+        joint = score[:, :, None] + lq  # [B, W, V]
+        rank = joint if sampling.greedy else joint + jax.random.gumbel(sub, joint.shape)
+        # The W best of W x V are among each beam's own W best: two small top-k, not one over W x V.
+        rank_w, tok_w = jax.lax.top_k(rank, width)  # [B, W, W]
+        _, pick = jax.lax.top_k(rank_w.reshape(b, -1), width)  # [B, W] into the W x W
+        parent = pick // width
+        tok = jnp.take_along_axis(tok_w.reshape(b, -1), pick, axis=1).astype(jnp.int32)
+        flat = parent * lq.shape[-1] + tok
+        score = jnp.take_along_axis(joint.reshape(b, -1), flat, axis=1)
+        tok_lq = jnp.take_along_axis(lq.reshape(b, -1), flat, axis=1)
+        tokens = _by_beam(tokens, parent).at[:, :, j].set(tok)
+        logq = _by_beam(logq, parent).at[:, :, j].set(tok_lq)
+        exits = _by_beam(exits, parent)
+        entries = [(_by_beam(bk, parent), _by_beam(bv, parent)) for bk, bv in entries]
+        return tok, score, tokens, logq, exits, entries, key
+
+    # Every beam starts as `last`; only beam 0 counts, so step 0 expands one beam into W.
+    start = (jnp.broadcast_to(last[:, None], (b, width)),
+             jnp.where(jnp.arange(width) == 0, 0.0, low)[None, :].repeat(b, 0),
+             jnp.zeros((b, width, k), jnp.int32), jnp.zeros((b, width, k), jnp.float32),
+             jnp.zeros((b, width, k, d), jnp.float32), empty_entries(stack, b, width, k), key)
+    _, score, tokens, logq, exits, entries, _ = jax.lax.fori_loop(0, k, body, start)
+    best = jnp.argmax(score, axis=1)
+    return (_by_beam(tokens, best), _by_beam(logq, best), _by_beam(exits, best),
+            [(_by_beam(bk, best), _by_beam(bv, best)) for bk, bv in entries])
+
+
+def _write(layer, new, start):
+    """layer [B, S, KV, H] <- new [B, K, KV, H] at per-row positions start [B]."""
+    put = lambda c, x, s: jax.lax.dynamic_update_slice(c, x, (s, 0, 0))
+    return jax.vmap(put)(layer, new.astype(layer.dtype), start)
+
+
+@dataclasses.dataclass(frozen=True)
+class Beam(Drafter):
+    """`inner` (an EarlyExit or a DraftModel) drafting W = `width` beams; acceptance by joint
+    likelihood with threshold tau = `threshold`."""
+
+    inner: Drafter
+    width: int = 4
+    threshold: float = 0.5
+
+    @property
+    def max_draft(self) -> int:
+        return self.inner.max_draft
+
+    def prefill(self, params, dparams, cfg, tokens, prompt_lens, cache):
+        return self.inner.prefill(params, dparams, cfg, tokens, prompt_lens, cache)
+
+    def verify(self, params, dparams, cfg, tokens, positions, cache, dstate):
+        return self.inner.verify(params, dparams, cfg, tokens, positions, cache, dstate)
+
+    def accept(self, d: Draft, target_logits, sampling, key):
+        return acceptance.joint(d.tokens, d.logq, d.n, target_logits, sampling, math.log(self.threshold), key)
+
+    def stack(self, params, dparams, cfg, cache: model.KVCache, dstate) -> Stack:
+        """The inner drafter's layers over its committed prefix."""
+        inner = self.inner
+        if isinstance(inner, DraftModel):
+            dc = dstate["cache"]
+            trunk = [(dparams["layers"][i], dc.k[i], dc.v[i]) for i in range(inner.draft_cfg.num_layers)]
+            return Stack(inner.draft_cfg, dparams, trunk, [], lambda h: model.logits(dparams, inner.draft_cfg, h))
+        trunk = [(params["layers"][i], cache.k[i], cache.v[i]) for i in inner._shallow(cfg)]
+        if inner.head is None:
+            return Stack(cfg, params, trunk, [], lambda h: model.logits(params, cfg, h))
+        hk = dstate["head"]
+
+        def readout(h):
+            return heads.vocab_logits(cfg, dparams, model.rms_norm(h, dparams["norm"], cfg.rms_norm_eps))
+
+        return Stack(cfg, params, trunk, [(dparams["layer"], hk["k"], hk["v"])], readout)
+
+    def draft(self, params, dparams, cfg, s, controller, sampling, key):
+        k = self.max_draft
+        stack = self.stack(params, dparams, cfg, s.cache, s.dstate)
+        tokens, logq, exits, entries = beam_search(stack, s.last, s.length, self.width, k, sampling, key)
+        n = jnp.full(s.length.shape, k, jnp.int32)
+        final = tokens[:, -1]
+        final_pos = (s.length + k)[:, None]
+        written = [(_write(pk, bk, s.length), _write(pv, bv, s.length))
+                   for (_, pk, pv), (bk, bv) in zip(stack.trunk + stack.head, entries)]
+        inner = self.inner
+        if isinstance(inner, DraftModel):
+            dcache = model.KVCache([kv[0] for kv in written], [kv[1] for kv in written])
+            _, dcache = model.forward(dparams, inner.draft_cfg, final[:, None], final_pos, dcache)
+            return Draft(tokens, None, n, s.cache, {"cache": dcache}, s.cstate, logq)
+        shallow = list(inner._shallow(cfg))
+        ck, cv = list(s.cache.k), list(s.cache.v)
+        for i, (wk, wv) in zip(shallow, written):
+            ck[i], cv[i] = wk, wv
+        # The last drafted token, at slot K, still needs its exit state (EarlyExit.draft does the same).
+        h, cache = model.run_layers(params, cfg, model.embed(params, final[:, None]), final_pos,
+                                    model.KVCache(ck, cv), shallow)
+        dstate = {**s.dstate, "hidden": jnp.concatenate([exits, h], axis=1)}
+        if inner.head is not None:
+            hk, hv = written[len(shallow)]
+            dstate["head"] = inner.head.advance(dparams, cfg, h, final_pos, {"k": hk, "v": hv})
+        return Draft(tokens, None, n, cache, dstate, s.cstate, logq)

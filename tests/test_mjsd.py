@@ -1,0 +1,251 @@
+"""MJSD: beam drafts accepted by joint likelihood (jspec.drafters.beam, jspec.acceptance.joint).
+
+Lossy, so no test compares it with `ar`. Instead: the rule on hand-computed numbers; W = 1 with
+tau near 0 accepting every draft; with the target as its own drafter and beams wide enough, the
+output of exact multi-token joint greedy decoding (MJGD, by enumeration on a 16-token vocabulary);
+batch rows equal to their batch-1 runs; and beams that never read each other's draft entries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import hf_logits
+from jspec import acceptance, heads, methods
+from jspec.api import Model
+from jspec.drafters.beam import Beam, beam_step, empty_entries
+from jspec.drafters.early_exit import EarlyExit
+from jspec.errors import JspecError
+from jspec.model import KVCache
+from jspec.sampling import Sampling
+
+PROMPTS = [{"token_ids": [5, 9, 3, 7, 1, 4]}, {"token_ids": [11, 2, 8]}, {"token_ids": [6, 6, 13, 0, 9, 12, 3, 1, 2]}]
+
+
+# -- the acceptance rule -------------------------------------------------------------------------
+
+def _rule_case():
+    """Three rows, K = 3, V = 4, target log-probs set exactly. Row 0: r = 0, log(.1/.4), then
+    log(.1/.4) + log(.9/.2) = +0.118, so d = 3 passes after d = 2 fails. Row 1: r_1 = log(.1/.9)
+    fails and so does every longer prefix. Row 2: row 0 with only 2 drafted tokens."""
+    p = np.full((3, 4, 4), 0.1 / 3, np.float32)
+    draft = np.array([[0, 1, 2], [0, 1, 2], [0, 1, 2]], np.int32)
+    p_draft = np.array([[0.5, 0.1, 0.9], [0.1, 0.5, 0.5], [0.5, 0.1, 0.9]], np.float32)
+    q_draft = np.array([[0.5, 0.4, 0.2], [0.9, 0.5, 0.5], [0.5, 0.4, 0.2]], np.float32)
+    for b in range(3):
+        for t in range(3):
+            p[b, t] = (1 - p_draft[b, t]) / 3
+            p[b, t, draft[b, t]] = p_draft[b, t]
+    # The target's own next token: 3 after the full draft of row 0, 2 at the start of row 1 (one-hot,
+    # so a sample equals the argmax), 3 after one token of row 2 (p(x_2) stays 0.1 there).
+    for b, pos, tok in ((0, 3, 3), (1, 0, 2)):
+        p[b, pos] = 0.0
+        p[b, pos, tok] = 1.0
+    p[2, 1] = [0.15, 0.1, 0.15, 0.6]
+    logits = jnp.log(jnp.maximum(jnp.asarray(p), 1e-30))
+    return jnp.asarray(draft), jnp.log(jnp.asarray(q_draft)), jnp.array([3, 3, 2]), logits
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=1.0)], ids=["greedy", "sampling"])
+def test_joint_rule_by_hand(sampling):
+    draft, logq, n, logits = _rule_case()
+    n_acc, nxt = acceptance.joint(draft, logq, n, logits, sampling, math.log(0.5), jax.random.key(0))
+    assert n_acc.tolist() == [3, 0, 1]
+    assert nxt.tolist()[:2] == [3, 2]
+    if sampling.greedy:
+        assert nxt.tolist()[2] == 3
+    # tau above every r_d's exp rejects all; tau near 0 accepts every drafted token.
+    assert acceptance.joint(draft, logq, n, logits, sampling, math.log(2.0), jax.random.key(0))[0].tolist() == [0, 0, 0]
+    assert acceptance.joint(draft, logq, n, logits, sampling, -1e9, jax.random.key(0))[0].tolist() == [3, 3, 2]
+
+
+# -- end to end on tiny models -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """A 2-layer random Llama over 16 tokens, no EOS: (Model, its HF twin)."""
+    from conftest import save_source, tiny_hf_model
+    from jspec.convert import store
+
+    hf = tiny_hf_model("llama", seed=3, vocab_size=16, num_hidden_layers=2)
+    root = tmp_path_factory.mktemp("mjsd-small")
+    cfg, params, _ = store.load(store.convert(save_source(hf, root / "source", "safetensors"), root / "converted"))
+    return Model(dataclasses.replace(cfg, eos_token_ids=()), params, name="small"), hf
+
+
+def _ids(records):
+    return [r["token_ids"] for r in records]
+
+
+def _with_plan(monkeypatch, model, plan, prompts, **options):
+    """Generate with a hand-built (drafter, dparams, controller), e.g. one build() refuses."""
+    monkeypatch.setattr(methods, "build", lambda *a, **k: plan)
+    return model.generate(prompts, method="mjsd", **options)
+
+
+def mjgd(hf, prompt, k: int, new: int, vocab: int) -> list[int]:
+    """Exact multi-token joint greedy decoding laid out as MJSD's rounds: the first token greedy
+    (the prefill's), then per round the k tokens of highest joint probability (all vocab^k
+    enumerated) followed by the target's greedy token after them."""
+    seq, out = list(prompt), []
+    cands = np.array(list(itertools.product(range(vocab), repeat=k)), np.int64)  # [V^k, k]
+    out.append(int(hf_logits(hf, np.array([seq]))[0, -1].argmax()))
+    seq.append(out[-1])
+    while len(out) < new:
+        batch = np.concatenate([np.tile(seq, (len(cands), 1)), cands], axis=1)
+        logp = jax.nn.log_softmax(jnp.asarray(hf_logits(hf, batch)), axis=-1)
+        n = len(seq)
+        joint = sum(logp[np.arange(len(cands)), n - 1 + t, cands[:, t]] for t in range(k))
+        best = int(jnp.argmax(joint))
+        step = cands[best].tolist() + [int(jnp.argmax(logp[best, -1]))]
+        out += step
+        seq += step
+    return out[:new]
+
+
+def test_target_as_drafter_is_mjgd(small, monkeypatch):
+    model, hf = small
+    k, new = 2, 10
+    # The target as its own drafter: every layer is "shallow", and W = V keeps every 1-token
+    # prefix, so the best of W x V 2-token beams is the exact joint argmax.
+    drafter = Beam(EarlyExit(max_draft=k, exit_layer=model.cfg.num_layers), width=16, threshold=0.5)
+    records = _with_plan(monkeypatch, model, (drafter, (), methods.make_controller("fixed")), PROMPTS,
+                         max_new_tokens=new, batch_size=1)
+    for p, r in zip(PROMPTS, records):
+        assert r["token_ids"] == mjgd(hf, p["token_ids"], k, new, 16)
+        assert r["stats"]["accepted"] == r["stats"]["drafted"]  # r_d is ~0: every draft passes
+
+
+# Sampled: no top-k or top-p, which could give a drafted token p = 0 (r_d = -inf).
+@pytest.mark.parametrize("sampling", [dict(), pytest.param(dict(temperature=1.0), marks=pytest.mark.slow)],
+                         ids=["greedy", "sampling"])
+def test_one_beam_tiny_tau_accepts_every_draft(small, sampling):
+    model, _ = small
+    records = model.generate(PROMPTS, method="mjsd", max_new_tokens=12, max_draft=3, exit_layer=1,
+                             beam_width=1, accept_threshold=1e-300, **sampling)
+    for r in records:
+        assert r["new_tokens"] == 12 and r["stats"]["drafted"] > 0
+        assert r["stats"]["accepted"] == r["stats"]["drafted"]
+
+
+@pytest.fixture(scope="module")
+def head_path(small, tmp_path_factory):
+    model, _ = small
+    vocab = np.arange(1, 16, dtype=np.int32)  # token 0 can never be drafted
+    meta = {"kind": "eesd", "exit_layer": 1, "model": heads.fingerprint(model.cfg)}
+    return str(heads.save(tmp_path_factory.mktemp("mjsd-head") / "eesd",
+                          heads.init(model.params, model.cfg, "eesd", 1, vocab), meta))
+
+
+@pytest.mark.parametrize("drafter", ["head", pytest.param("draft-model", marks=pytest.mark.slow)])
+def test_batch_rows_equal_batch_one(small, head_path, drafter):
+    model, _ = small
+    if drafter == "head":
+        opts = dict(head=head_path)
+    else:
+        dcfg = dataclasses.replace(model.cfg, num_layers=1)
+        opts = dict(draft_model=Model(dcfg, {**model.params, "layers": model.params["layers"][:1]}, name="d"))
+    run = lambda b: model.generate(PROMPTS, method="mjsd", max_new_tokens=16, batch_size=b, **opts)
+    one, three = run(1), run(3)
+    assert _ids(one) == _ids(three)
+    assert [r["stats"] for r in one] == [r["stats"] for r in three]
+    assert any(0 < r["stats"]["accepted"] < r["stats"]["drafted"] for r in one)  # partial accepts happen
+
+
+def test_beams_never_read_each_others_entries(small, head_path):
+    model, _ = small
+    cfg, w, k, j = model.cfg, 4, 4, 2
+    drafter, dparams, _ = methods.build("mjsd", model, head=head_path, beam_width=w, max_draft=k)
+    tokens = jnp.array([PROMPTS[0]["token_ids"]], jnp.int32)
+    lens = jnp.array([tokens.shape[1]])
+    prefill = jax.jit(lambda p, d, c: drafter.prefill(p, d, cfg, tokens, lens, c))
+    _, cache, dstate = prefill(model.params, dparams, KVCache.zeros(cfg, 1, 32))
+    stack = drafter.stack(model.params, dparams, cfg, cache, dstate)
+    keys = iter(jax.random.split(jax.random.key(1), 64))
+    entries = [tuple(jax.random.normal(next(keys), x.shape) for x in kv) for kv in empty_entries(stack, 1, w, k)]
+    x = jnp.array([[3, 4, 5, 6]], jnp.int32)
+    step = jax.jit(lambda e: beam_step(stack, x, lens, j, e)[0])
+    base = step(entries)
+    # Beam 1's entries, every slot, every layer: only beam 1's logits may move.
+    moved = step([tuple(e.at[:, 1].add(5.0) for e in kv) for kv in entries])
+    np.testing.assert_array_equal(np.asarray(moved)[:, [0, 2, 3]], np.asarray(base)[:, [0, 2, 3]])
+    assert not np.allclose(np.asarray(moved)[:, 1], np.asarray(base)[:, 1])
+
+
+@pytest.mark.slow  # 40 s here: two drafters compile
+def test_one_beam_drafts_and_caches_like_the_token_by_token_drafter(small, head_path):
+    """W = 1 beam search is greedy drafting: the same tokens, and the same cache, layer-N states
+    and head entries left behind for verification."""
+    import types
+
+    model, _ = small
+    cfg, k = model.cfg, 3
+    beam, dparams, ctrl = methods.build("mjsd", model, head=head_path, beam_width=1, max_draft=k)
+    tokens = jnp.array([PROMPTS[0]["token_ids"], PROMPTS[2]["token_ids"][:6]], jnp.int32)
+    lens = jnp.array([6, 5])
+
+    def draft(params, dparams, cache, use_beam):
+        drafter = beam if use_beam else beam.inner
+        _, cache, dstate = drafter.prefill(params, dparams, cfg, tokens, lens, cache)
+        s = types.SimpleNamespace(cache=cache, dstate=dstate, last=jnp.array([7, 1]), length=lens,
+                                  done=jnp.zeros(2, bool), cstate=ctrl.init(2, k))
+        return drafter.draft(params, dparams, cfg, s, ctrl, Sampling(), jax.random.key(0))
+
+    draft = jax.jit(draft, static_argnums=3)
+    want, got = (draft(model.params, dparams, KVCache.zeros(cfg, 2, 32), b) for b in (False, True))
+    assert got.tokens.tolist() == want.tokens.tolist() and got.n.tolist() == want.n.tolist() == [k, k]
+    close = lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+    close(got.dstate["hidden"], want.dstate["hidden"])
+    for i in range(cfg.num_layers):  # the prompts and this round's entries, up to position 6 + k
+        close(got.cache.k[i][:, :7 + k], want.cache.k[i][:, :7 + k])
+        close(got.cache.v[i][:, :7 + k], want.cache.v[i][:, :7 + k])
+    close(got.dstate["head"]["k"][:, :7 + k], want.dstate["head"]["k"][:, :7 + k])
+    close(got.dstate["head"]["v"][:, :7 + k], want.dstate["head"]["v"][:, :7 + k])
+    assert np.all(np.isfinite(np.asarray(got.logq))) and np.all(np.asarray(got.logq) <= 0)
+
+
+def test_options_checked(small):
+    model, _ = small
+    with pytest.raises(JspecError, match="--beam-width"):
+        methods.build("mjsd", model, beam_width=0)
+    with pytest.raises(JspecError, match="--accept-threshold"):
+        methods.build("mjsd", model, accept_threshold=0.0)
+    with pytest.raises(JspecError, match="go with --method mjsd"):
+        methods.build("eesd", model, beam_width=2)
+    with pytest.raises(JspecError, match="no --controller"):
+        methods.build("mjsd", model, controller="confidence")
+    assert "mjsd" in methods.LOSSY and "mjsd" not in methods.LOSSLESS
+
+
+# -- command line --------------------------------------------------------------------------------
+
+def test_cli_warns_that_mjsd_is_lossy(capsys, tmp_path):
+    from jspec.cli import main
+
+    code = main(["generate", "hi", "--model", str(tmp_path / "missing"), "--method", "mjsd", "--beam-width", "2"])
+    err = capsys.readouterr().err.splitlines()
+    assert code != 0
+    assert err[0] == "jspec: warning: --method mjsd is lossy: its output differs from --method ar's"
+    assert len(err) == 2 and err[1].startswith("jspec: error:")
+
+
+@pytest.mark.slow
+def test_cli_default_model(capsys, default_model):
+    """The shipped EESD head drafts on the default model, beam sampling on the command line and
+    beam search through the API; every record counts its accepted tokens."""
+    from jspec.cli import main
+
+    code = main(["generate", "Name three primes.", "--method", "mjsd", "--max-new-tokens", "24",
+                 "--beam-width", "2", "--accept-threshold", "0.3", "--temperature", "0.8", "--top-p", "0.9"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert out.strip() and "lossy" in err
+    [r] = default_model.generate("Name three primes.", method="mjsd", max_new_tokens=24)
+    assert r["stats"]["mean_accepted_tokens"] >= 1.0 and r["stats"]["drafted"] > 0

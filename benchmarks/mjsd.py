@@ -9,7 +9,7 @@ total wall time; mean accepted tokens is total new tokens / total rounds (target
     python benchmarks/mjsd.py --limit 1 --max-new-tokens 128 \\
         --methods "ar,eesd:max_draft=4;controller=fixed,mjsd,mjsd:accept_threshold=0.1,..."
 
-Each result is also appended to --output as one JSON line.
+Each result is also appended to --output as one JSON line (docs/benchmarks.md, "MJSD": benchmarks/results_mjsd.jsonl).
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
     if method == "mjsd":
         if controller not in (None, "fixed"):
             raise JspecError("--method mjsd always drafts --max-draft tokens: it takes no --controller")
-        return _mjsd(model, k, exit_layer, draft_model, head, beam_width, accept_threshold, ctrl)
+        return _mjsd(model, k, exit_layer, draft_model, head, beam_width, accept_threshold)
     if method == "ar":
         return NoDraft(), (), ctrl
     if method == "ngram":
@@ -126,7 +126,7 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
     return DraftModel(draft_cfg=draft_model.cfg, max_draft=k), _placed(draft_model.params, model), ctrl
 
 
-def _mjsd(model, k, exit_layer, draft_model, head, beam_width, accept_threshold, ctrl):
+def _mjsd(model, k, exit_layer, draft_model, head, beam_width, accept_threshold):
     """Beams over --draft-model, else over --head, else over the target's first --exit-layer layers
     and its own LM head, else over the shipped EESD head (default model), else over early exit at a
     quarter of the layers. --exit-layer may name every layer: the target drafting for itself, the
@@ -144,7 +144,7 @@ def _mjsd(model, k, exit_layer, draft_model, head, beam_width, accept_threshold,
         kind = heads.read_meta(head)["kind"] if head is not None else "eesd"
         inner, dparams, ctrl = build(kind, model, max_draft=k, controller="fixed", exit_layer=exit_layer, head=head)
     elif exit_layer == model.cfg.num_layers:
-        inner, dparams = EarlyExit(max_draft=k, exit_layer=exit_layer), ()
+        inner, dparams, ctrl = EarlyExit(max_draft=k, exit_layer=exit_layer), (), make_controller("fixed")
     else:
         inner, dparams, ctrl = build("early-exit", model, max_draft=k, controller="fixed", exit_layer=exit_layer)
     return Beam(inner=inner, width=width, threshold=tau), dparams, ctrl

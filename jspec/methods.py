@@ -8,26 +8,31 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from jspec import heads, sharding
+from jspec import predictors as predictors_io
 from jspec.controllers import make_controller
 from jspec.drafters.draft_model import DraftModel
 from jspec.drafters.early_exit import EarlyExit
 from jspec.drafters.layer_skip import LayerSkip
+from jspec.drafters import specee
 from jspec.drafters.ngram import NGram
 from jspec.drafters.none import NoDraft
 from jspec.errors import JspecError
 
-METHODS = ("ar", "draft", "early-exit", "eesd", "kangaroo", "layer-skip", "ngram")
-LOSSLESS = METHODS
+LOSSLESS = ("ar", "draft", "early-exit", "eesd", "kangaroo", "layer-skip", "ngram")
+LOSSY = ("specee",)  # output differs from ar's: jspec bench reports their quality (jspec.quality)
+METHODS = LOSSLESS + LOSSY
 DEFAULT_CONTROLLER = {"ar": "fixed", "draft": "fixed", "early-exit": "confidence", "eesd": "thompson",
-                      "kangaroo": "confidence", "layer-skip": "dv", "ngram": "fixed"}
+                      "kangaroo": "confidence", "layer-skip": "dv", "ngram": "fixed", "specee": "fixed"}
 MAX_DRAFT = 8
 HEAD_METHODS = heads.KINDS
+SPECEE_CHOICES = specee.CHOICES
 
 
 # K fixes the verification width (K + 1 positions every round, whatever the controller stops at).
@@ -67,7 +72,8 @@ def default_skip_layers(model) -> tuple[int, ...]:
 
 def build(method: str, model, *, max_draft: int | None = None, controller: str | None = None,
           exit_layer: int | None = None, skip_layers=None, draft_model=None, threshold: float | None = None,
-          thompson_variant: str | None = None, draft_cost: float | None = None, head: str | None = None):
+          thompson_variant: str | None = None, draft_cost: float | None = None, head: str | None = None,
+          exit_threshold: float | None = None, predictors: str | None = None, exit_choice: str | None = None):
     """(drafter, drafter params, controller) for `method` on `model` (a jspec.api.Model)."""
     if method not in METHODS:
         raise JspecError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
@@ -77,8 +83,12 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
         raise JspecError(f"--max-draft must be between 1 and 64, got {k}")
     ctrl = make_controller(controller or DEFAULT_CONTROLLER[method], threshold=threshold,
                            variant=thompson_variant, cost=draft_cost)
-    if head is not None and method not in HEAD_METHODS:
-        raise JspecError(f"--head goes with --method {' or '.join(HEAD_METHODS)}")
+    if head is not None and method not in HEAD_METHODS + ("specee",):
+        raise JspecError(f"--head goes with --method {', '.join(HEAD_METHODS)} or specee")
+    if method != "specee" and (exit_threshold, predictors, exit_choice) != (None, None, None):
+        raise JspecError("--exit-threshold and --predictors go with --method specee")
+    if method == "specee":
+        return _build_specee(model, head, predictors, exit_threshold, exit_choice) + (ctrl,)
     if method == "ar":
         return NoDraft(), (), ctrl
     if method == "ngram":
@@ -109,6 +119,43 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
         raise JspecError(f"the draft model's vocabulary ({draft_model.cfg.vocab_size}) differs from the "
                          f"target's ({cfg.vocab_size}); they must share a tokenizer")
     return DraftModel(draft_cfg=draft_model.cfg, max_draft=k), _placed(draft_model.params, model), ctrl
+
+
+def _build_specee(model, head: str | None, path: str | None, threshold: float | None, choice: str | None):
+    """SpecEE's drafter and params: its predictors, the head they were trained over (its candidates),
+    and the K/V rows of the layers an exit may skip."""
+    threshold = 0.5 if threshold is None else threshold
+    if not (isinstance(threshold, (int, float)) and math.isfinite(threshold) and threshold >= 0):
+        raise JspecError(f"--exit-threshold must be a number >= 0 (above 1: never exit), got {threshold}")
+    choice = choice or "candidates"
+    if choice not in SPECEE_CHOICES:
+        raise JspecError(f"unknown exit choice {choice!r}; choose one of {', '.join(SPECEE_CHOICES)}")
+    path = path or shipped(model, "specee")
+    if path is None:
+        raise JspecError("--method specee needs --predictors PATH: predictors ship only for the default model "
+                         "(train them with jspec train-predictors)")
+    if not Path(path).exists():
+        raise JspecError(f"predictors {path} do not exist")
+    stamp = (Path(path) / "predictors.json").stat().st_mtime_ns if (Path(path) / "predictors.json").exists() else None
+    pp, meta = _read_predictors(str(Path(path).resolve()), stamp, model.cfg)
+    hp, head_meta = _load_head(meta["head"]["kind"], model, head)
+    n = head_meta["exit_layer"]
+    if meta["depths"][0] != n or meta["depths"][-1] != model.cfg.num_layers - 1:
+        raise JspecError(f"predictors {path} cover depths {meta['depths'][0]}..{meta['depths'][-1]}, but their "
+                         f"head exits at layer {n} and the model has {model.cfg.num_layers} layers")
+    dtype = model.params["embed"].dtype
+    head_params = jax.tree.map(lambda x: x if x.dtype == jnp.int32 else x.astype(dtype),
+                               heads.draft_params(model.params, hp))
+    layers = _placed({"head": head_params, "kv": specee.kv_weights(model.params, model.cfg, n)}, model)
+    if model.mesh is not None:
+        pp = jax.device_put(pp, sharding.NamedSharding(model.mesh, sharding.P()))
+    drafter = specee.SpecEE(exit_layer=n, schedule=tuple(meta["schedule"]), threshold=float(threshold), choice=choice)
+    return drafter, {**layers, "pred": pp}
+
+
+@functools.lru_cache(maxsize=8)
+def _read_predictors(path: str, stamp: int | None, cfg):
+    return predictors_io.load(path, cfg)
 
 
 def _placed(dparams, model):

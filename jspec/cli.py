@@ -98,12 +98,18 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
                    help="draft: a smaller model sharing the target's tokenizer")
     d.add_argument("--head", default=None, metavar="PATH",
                    help="eesd, kangaroo: a head from jspec train-head (default: the one shipped for the "
-                        "default model)")
+                        "default model); specee: the head its predictors were trained over")
+    e = p.add_argument_group("specee (lossy: the output differs from ar's)")
+    e.add_argument("--exit-threshold", type=float, default=None, metavar="P",
+                   help="exit when a layer's predictor says more than P (default: 0.5; above 1: never)")
+    e.add_argument("--predictors", default=None, metavar="PATH",
+                   help="exit predictors from jspec train-predictors (default: those shipped for the default model)")
 
 
 def check_generation_args(args: argparse.Namespace) -> None:
     """Cheap checks of the generation options, before any model is loaded."""
     from jspec.api import METHODS
+    from jspec.methods import LOSSY
     from jspec.sampling import Sampling
 
     if args.method not in METHODS:
@@ -116,6 +122,9 @@ def check_generation_args(args: argparse.Namespace) -> None:
         if not math.isfinite(getattr(args, name)):
             raise JspecError(f"--{name.replace('_', '-')} must be a finite number")
     Sampling(args.temperature, args.top_k, args.top_p)  # raises a JspecError naming the option
+    if args.method in LOSSY:
+        logging.getLogger("jspec").warning(
+            f"--method {args.method} is lossy: its output differs from ar's (docs/methods.md measures the cost)")
     if args.mesh is not None:
         for part in filter(None, args.mesh.replace(" ", "").split(",")):
             name, _, value = part.partition("=")
@@ -134,7 +143,7 @@ def generation_options(args: argparse.Namespace) -> dict:
     method = {"max_draft": args.max_draft, "controller": args.controller, "threshold": args.threshold,
               "thompson_variant": args.thompson_variant, "draft_cost": args.draft_cost,
               "exit_layer": args.exit_layer, "skip_layers": skip, "draft_model": args.draft_model,
-              "head": args.head}
+              "head": args.head, "exit_threshold": args.exit_threshold, "predictors": args.predictors}
     return dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, temperature=args.temperature,
                 top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                 **{k: v for k, v in method.items() if v is not None})
@@ -514,6 +523,45 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_train_predictors(sub) -> None:
+    p = sub.add_parser(
+        "train-predictors", help="train SpecEE's exit predictors on the model's own answers",
+        description="Let the model answer training prompts, record at every layer from the head's on whether "
+                    "that layer's choice among the head's 4 candidates is already the final token, and fit "
+                    "one predictor per layer (held-out accuracy and precision go into OUT/predictors.json).")
+    p.add_argument("--prompts", default=prompt_sets.TRAIN_PROMPTS, metavar="IN.jsonl",
+                   help="training prompts: a file (.gz too) or a shipped training set (default: %(default)s)")
+    p.add_argument("--out", required=True, metavar="DIR", help="where the predictors go")
+    p.add_argument("--head", default=None, metavar="PATH",
+                   help="the Kangaroo or EESD head whose top 4 are the candidates (default: the shipped Kangaroo head)")
+    p.add_argument("--count", type=int, default=256, help="prompts to answer (default: %(default)s)")
+    p.add_argument("--max-prompt-tokens", type=int, default=192, metavar="N", help="(default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="answer length (default: %(default)s)")
+    p.add_argument("--epochs", type=int, default=30, help="(default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=8, metavar="N", help="rows per decoding batch (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    add_model_options(p)
+    p.set_defaults(func=cmd_train_predictors)
+
+
+def cmd_train_predictors(args: argparse.Namespace) -> int:
+    from jspec.jsonl import read_prompts
+    from jspec.training import predictors
+
+    source = prompt_sets.resolve(args.prompts)
+    if source.name in ("spec_bench.jsonl", "spec_bench.jsonl.gz"):
+        raise JspecError("spec_bench is the evaluation set: train on training prompts")
+    prompts = read_prompts(source)
+    model = load_model(args)
+    path, summary = predictors.make(model, prompts, args.out, head=args.head, count=args.count,
+                                    max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
+                                    epochs=args.epochs, batch_size=args.batch_size, seed=args.seed)
+    print(f"saved {path}: {summary['samples_per_depth']} samples per layer, loss {summary['first_loss']} -> "
+          f"{summary['final_loss']}, {summary['mean_layers_at_0.5']} layers per token at 0.5 "
+          f"(oracle {summary['oracle_mean_layers']}), {summary['wall_seconds']:.0f} s", file=sys.stderr)
+    return 0
+
+
 # -- bench (jspec/bench.py: add_arguments(parser), main(args) -> int) --------------------------
 
 def _add_bench(sub, wanted: bool) -> None:
@@ -548,6 +596,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     _add_convert(sub)
     _add_distill(sub)
     _add_train_head(sub)
+    _add_train_predictors(sub)
     _add_env(sub)
     _add_bench(sub, wanted=bool(argv) and argv[0] == "bench")
     return parser

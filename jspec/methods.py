@@ -149,8 +149,8 @@ def _build_specee(model, head: str | None, path: str | None, threshold: float | 
     layers = _placed({"head": head_params, "kv": specee.kv_weights(model.params, model.cfg, n)}, model)
     if model.mesh is not None:
         pp = jax.device_put(pp, sharding.NamedSharding(model.mesh, sharding.P()))
-    drafter = specee.SpecEE(exit_layer=n, schedule=tuple(meta["schedule"]), threshold=float(threshold), choice=choice)
-    return drafter, {**layers, "pred": pp}
+    drafter = specee.SpecEE(exit_layer=n, schedule=tuple(meta["schedule"]), choice=choice)
+    return drafter, {**layers, "pred": pp, "threshold": jnp.float32(threshold)}
 
 
 @functools.lru_cache(maxsize=8)

@@ -63,8 +63,7 @@ def test_sampling_without_exits_is_ar_sampling(setup):
     assert all(0 <= t < model.cfg.vocab_size for r in sampled for t in r["token_ids"])
 
 
-@pytest.mark.parametrize("batch_size", [1, 4])
-def test_forced_exit_matches_reference(setup, batch_size):
+def test_forced_exit_matches_reference(setup, batch_size=4):
     """Every token exits at depth 1 with the candidates' argmax there; the deeper layers' K/V are
     filled from the exit state. The cache starts as garbage: reading any entry that was never
     written would change the tokens."""

@@ -16,6 +16,7 @@ For the token fed at position p:
    state, so every cache entry below a row's position is written ("fill"; docs/methods.md
    measures it against leaving them missing).
 
+The exit threshold travels in `dparams` (a traced scalar), so a threshold sweep compiles once.
 The exited row's token is its depth's choice (greedy), or a sample from the exit state's
 full-vocabulary distribution. The schedule: the offline depths (where exits were frequent in
 training) and, per row, e - 2, e, e + 2 around each of its last 5 exit depths e (the
@@ -42,7 +43,6 @@ class SpecEE(Drafter):
     max_draft: int = 0
     exit_layer: int = 4  # N: the head reads the depth-N state; predictors cover depths N .. L-1
     schedule: tuple[int, ...] = ()  # offline checked depths
-    threshold: float = 0.5
     choice: str = "candidates"
 
     def prefill(self, params, dparams, cfg, tokens, prompt_lens, cache):
@@ -83,7 +83,7 @@ class SpecEE(Drafter):
             if self.choice == "full":
                 choice = jnp.argmax(model.logits(params, cfg, h[:, 0]), axis=-1).astype(jnp.int32)
                 ok = jnp.any(cand == choice[:, None], axis=1)
-            leave = going & checked & ok & (predictors.score(dparams["pred"], d - n, x) > self.threshold)
+            leave = going & checked & ok & (predictors.score(dparams["pred"], d - n, x) > dparams["threshold"])
             token = jnp.where(leave, choice, token)
             depth = jnp.where(leave, d, depth)
             going = going & ~leave

@@ -4,7 +4,7 @@
     jspec generate --prompts in.jsonl --output out.jsonl     # one record per prompt, resumable
     jspec compare ar.jsonl spec.jsonl --prompts in.jsonl      # where two outputs differ, and why
     jspec convert model.gguf converted/                       # convert once, load fast
-    jspec bench ...                                           # see jspec/bench.py
+    jspec bench ...                                           # see jspec/bench/
     jspec distill-data --out data/                            # the target's own answers, for heads
     jspec train-head --kind eesd --exit-layer 6 --data data/ --out head/   # see jspec/training
     jspec env                                                 # versions, devices, cache: for bug reports
@@ -562,7 +562,7 @@ def cmd_train_predictors(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- bench (jspec/bench.py: add_arguments(parser), main(args) -> int) --------------------------
+# -- bench (jspec/bench/: add_arguments(parser), main(args) -> int) --------------------------
 
 def _add_bench(sub, wanted: bool) -> None:
     p = sub.add_parser("bench", help="benchmark decoding methods", add_help=wanted)
@@ -575,6 +575,7 @@ def _add_bench(sub, wanted: bool) -> None:
             raise
         p.set_defaults(func=lambda args: _fail("jspec bench is not available in this version"))
         return
+    add_model_options(p)
     bench.add_arguments(p)
     p.set_defaults(func=bench.main)
 

@@ -73,7 +73,8 @@ def default_skip_layers(model) -> tuple[int, ...]:
 def build(method: str, model, *, max_draft: int | None = None, controller: str | None = None,
           exit_layer: int | None = None, skip_layers=None, draft_model=None, threshold: float | None = None,
           thompson_variant: str | None = None, draft_cost: float | None = None, head: str | None = None,
-          exit_threshold: float | None = None, predictors: str | None = None, exit_choice: str | None = None):
+          exit_threshold: float | None = None, predictors: str | None = None, exit_choice: str | None = None,
+          exit_kv: str | None = None):
     """(drafter, drafter params, controller) for `method` on `model` (a jspec.api.Model)."""
     if method not in METHODS:
         raise JspecError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
@@ -85,10 +86,10 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
                            variant=thompson_variant, cost=draft_cost)
     if head is not None and method not in HEAD_METHODS + ("specee",):
         raise JspecError(f"--head goes with --method {', '.join(HEAD_METHODS)} or specee")
-    if method != "specee" and (exit_threshold, predictors, exit_choice) != (None, None, None):
+    if method != "specee" and (exit_threshold, predictors, exit_choice, exit_kv) != (None,) * 4:
         raise JspecError("--exit-threshold and --predictors go with --method specee")
     if method == "specee":
-        return _build_specee(model, head, predictors, exit_threshold, exit_choice) + (ctrl,)
+        return _build_specee(model, head, predictors, exit_threshold, exit_choice, exit_kv) + (ctrl,)
     if method == "ar":
         return NoDraft(), (), ctrl
     if method == "ngram":
@@ -121,7 +122,8 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
     return DraftModel(draft_cfg=draft_model.cfg, max_draft=k), _placed(draft_model.params, model), ctrl
 
 
-def _build_specee(model, head: str | None, path: str | None, threshold: float | None, choice: str | None):
+def _build_specee(model, head: str | None, path: str | None, threshold: float | None, choice: str | None,
+                  kv: str | None):
     """SpecEE's drafter and params: its predictors, the head they were trained over (its candidates),
     and the K/V rows of the layers an exit may skip."""
     threshold = 0.5 if threshold is None else threshold
@@ -130,6 +132,9 @@ def _build_specee(model, head: str | None, path: str | None, threshold: float | 
     choice = choice or "candidates"
     if choice not in SPECEE_CHOICES:
         raise JspecError(f"unknown exit choice {choice!r}; choose one of {', '.join(SPECEE_CHOICES)}")
+    kv = kv or "fill"
+    if kv not in specee.KV_MODES:
+        raise JspecError(f"unknown exit KV handling {kv!r}; choose one of {', '.join(specee.KV_MODES)}")
     path = path or shipped(model, "specee")
     if path is None:
         raise JspecError("--method specee needs --predictors PATH: predictors ship only for the default model "
@@ -149,7 +154,7 @@ def _build_specee(model, head: str | None, path: str | None, threshold: float | 
     layers = _placed({"head": head_params, "kv": specee.kv_weights(model.params, model.cfg, n)}, model)
     if model.mesh is not None:
         pp = jax.device_put(pp, sharding.NamedSharding(model.mesh, sharding.P()))
-    drafter = specee.SpecEE(exit_layer=n, schedule=tuple(meta["schedule"]), choice=choice)
+    drafter = specee.SpecEE(exit_layer=n, schedule=tuple(meta["schedule"]), choice=choice, kv=kv)
     return drafter, {**layers, "pred": pp, "threshold": jnp.float32(threshold)}
 
 

@@ -16,6 +16,7 @@ from jspec.errors import JspecError
 
 EXIT = 1
 NEW = 12
+THRESHOLD = 0.5
 PROMPTS = [{"token_ids": [5, 17, 99, 4, 31, 8, 77]}, {"token_ids": [3, 9] * 7}, {"token_ids": [200, 1, 45]},
            {"token_ids": list(range(40, 60))}]
 
@@ -31,11 +32,15 @@ def setup(tiny_llama, tmp_path_factory):
                       {"kind": "kangaroo", "exit_layer": EXIT, "model": heads.fingerprint(cfg)})
     depths = list(range(EXIT, cfg.num_layers))
     meta = {"model": heads.fingerprint(cfg), "head": {"kind": "kangaroo", "exit_layer": EXIT},
-            "depths": depths, "schedule": depths[:1]}
+            "depths": depths, "schedule": depths}
     pp = predictors.init(jax.random.key(0), len(depths))
     forced = {**pp, "w2": jnp.zeros_like(pp["w2"]), "b2": jnp.full_like(pp["b2"], 50.0)}
-    return (model, str(head), str(predictors.save(root / "random", pp, meta)),
-            str(predictors.save(root / "always", forced, meta)))
+    # Exit when the head's first candidate holds more than half of the candidates' softmax: a
+    # data-dependent split, far from the threshold for most tokens.
+    confident = {"w1": jnp.zeros_like(pp["w1"]).at[:, 4, 0].set(1.0), "b1": jnp.zeros_like(pp["b1"]),
+                 "w2": jnp.zeros_like(pp["w2"]).at[:, 0].set(40.0), "b2": jnp.full_like(pp["b2"], -20.0)}
+    return (model, str(head), str(predictors.save(root / "confident", confident, meta)),
+            str(predictors.save(root / "always", forced, {**meta, "schedule": depths[:1]})))
 
 
 def ids(records):
@@ -63,24 +68,40 @@ def test_sampling_without_exits_is_ar_sampling(setup):
     assert all(0 <= t < model.cfg.vocab_size for r in sampled for t in r["token_ids"])
 
 
-def test_forced_exit_matches_reference(setup, batch_size=4):
-    """Every token exits at depth 1 with the candidates' argmax there; the deeper layers' K/V are
-    filled from the exit state. The cache starts as garbage: reading any entry that was never
-    written would change the tokens."""
+def test_forced_exit_is_first_checked_depths_choice(setup):
+    """Predictors forced to 1: every token exits at the first checked depth, with its choice."""
     model, head, _, always = setup
+    out = model.generate(PROMPTS, method="specee", head=head, predictors=always, max_new_tokens=NEW, batch_size=4)
+    hp, _ = heads.load(head, model.cfg)
+    for prompt, r in zip(PROMPTS, out):
+        assert r["token_ids"] == reference(model, hp, None, 0.5, "fill", prompt["token_ids"], len(r["token_ids"]))
+        assert r["stats"]["mean_layers"] == EXIT
+
+
+@pytest.mark.parametrize("kv", ["fill", "mask"])
+def test_exits_match_reference(setup, kv, batch_size=4):
+    """Random predictors at a threshold where some tokens exit at depth 1, some at 2 and some
+    run all 3 layers, under either KV handling, against the plain-Python decoder. The cache
+    starts as garbage: reading any entry that was never written (or, under "mask", one that a
+    skipped layer left) would change the tokens."""
+    model, head, pred, _ = setup
     p = 32  # the prompt bucket; the cache needs p + NEW + 1 positions, aligned to 64
     rng = np.random.default_rng(0)
     shape = (batch_size, 64, model.cfg.num_kv_heads, model.cfg.head_dim)
     junk = lambda: jnp.asarray(rng.normal(0, 1e3, shape), jnp.float32)
     model._caches[(batch_size, 64)] = jmodel.KVCache([junk() for _ in range(model.cfg.num_layers)],
                                                      [junk() for _ in range(model.cfg.num_layers)])
-    out = model.generate(PROMPTS, method="specee", head=head, predictors=always, max_new_tokens=NEW,
-                         batch_size=batch_size)
-    hp, _ = heads.load(head, model.cfg)
-    for prompt, r in zip(PROMPTS, out):
-        assert r["token_ids"] == reference(model, hp, prompt["token_ids"], len(r["token_ids"]))
-        assert r["stats"]["mean_layers"] == EXIT
+    out = model.generate(PROMPTS, method="specee", head=head, predictors=pred, exit_threshold=THRESHOLD, exit_kv=kv,
+                         max_new_tokens=NEW, batch_size=batch_size)
     assert p + NEW + 1 <= 64
+    hp, _ = heads.load(head, model.cfg)
+    pp, _ = predictors.load(pred, model.cfg)
+    exits = {}
+    for prompt, r in zip(PROMPTS, out):
+        assert r["token_ids"] == reference(model, hp, pp, THRESHOLD, kv, prompt["token_ids"], len(r["token_ids"]))
+        for d, c in r["stats"]["exit_layers"].items():
+            exits[d] = exits.get(d, 0) + c
+    assert set(exits) == {"1", "2", "3"}, exits
 
 
 def test_wrong_model_refused(setup, make_tiny):
@@ -102,10 +123,11 @@ def test_options_checked(setup):
 
 # -- the reference: one token at a time, every layer by hand ------------------------------------
 
-def reference(model, hp, prompt, count):
-    """Greedy SpecEE, batch 1, every token exiting at depth EXIT (its candidates' argmax there)."""
+def reference(model, hp, pp, threshold, kv_mode, prompt, count):
+    """Greedy SpecEE, batch 1, every depth from EXIT checked; pp None: every token exits at EXIT."""
     cfg, params = model.cfg, jax.tree.map(np.asarray, model.params)
     hp = jax.tree.map(np.asarray, hp)
+    pp = None if pp is None else jax.tree.map(np.asarray, pp)
     layers = params["layers"]
     kv = [([], []) for _ in range(cfg.num_layers)]
     head_kv = ([], [])
@@ -122,9 +144,24 @@ def reference(model, hp, prompt, count):
         x = _attend(cfg, hp["layer"], h, pos, *head_kv)
         sub = lm[hp["vocab"]] @ _norm(x, hp["norm"], cfg)
         cands = hp["vocab"][np.argsort(-sub, kind="stable")[:4]]
-        tok = int(cands[np.argmax(lm[cands] @ _norm(h, params["final_norm"], cfg))])
-        for i in range(EXIT, cfg.num_layers):  # the fill: each deeper layer's K/V of the exit state
-            _kv(cfg, layers[i], h, pos, *kv[i])
+        prev, exited = np.zeros(4), False
+        for d in range(EXIT, cfg.num_layers):
+            if not exited:
+                logits = lm[cands] @ _norm(h, params["final_norm"], cfg)
+                probs = np.exp(logits - logits.max())
+                probs /= probs.sum()
+                x, prev = np.concatenate([logits, probs, probs - prev]), probs
+                j = d - EXIT
+                score = 1.0 if pp is None else 1 / (1 + np.exp(-(np.maximum(x @ pp["w1"][j] + pp["b1"][j], 0)
+                                                                 @ pp["w2"][j] + pp["b2"][j])))
+                if score > threshold:
+                    exited, tok = True, int(cands[np.argmax(logits)])
+            if not exited:
+                h = _run(cfg, layers, h, pos, kv, [d])
+            elif kv_mode == "fill":  # the deeper layer's K/V of the exit state; "mask": nothing
+                _kv(cfg, layers[d], h, pos, *kv[d])
+        if not exited:
+            tok = int(np.argmax(lm @ _norm(h, params["final_norm"], cfg)))
     return out + [tok]
 
 

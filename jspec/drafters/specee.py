@@ -13,8 +13,10 @@ For the token fed at position p:
 3. Each remaining layer runs under `lax.cond`: while any row is still going, the layer runs for
    all rows and the exited rows keep their state (masked); once none is, only the layer's K/V
    projection runs. Either way an exited row's K/V at the deeper layers are those of its exit
-   state, so every cache entry below a row's position is written ("fill"; docs/methods.md
-   measures it against leaving them missing).
+   state, so every cache entry below a row's position is written ("fill"). The reference's way,
+   "mask", writes nothing for skipped layers and keeps a [L - N, B, S] map of which deep-layer
+   entries exist, which later tokens' attention respects; a layer no row needs is then skipped
+   outright. docs/methods.md measures the two.
 
 The exit threshold travels in `dparams` (a traced scalar), so a threshold sweep compiles once.
 The exited row's token is its depth's choice (greedy), or a sample from the exit state's
@@ -36,6 +38,7 @@ from jspec.drafters.base import Draft, Drafter, last_prompt_state
 
 RECENT = 5  # exit depths remembered per row for the online schedule
 CHOICES = ("candidates", "full")
+KV_MODES = ("fill", "mask")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +47,7 @@ class SpecEE(Drafter):
     exit_layer: int = 4  # N: the head reads the depth-N state; predictors cover depths N .. L-1
     schedule: tuple[int, ...] = ()  # offline checked depths
     choice: str = "candidates"
+    kv: str = "fill"  # or "mask": skipped layers write nothing, later tokens attend only to what exists
 
     def prefill(self, params, dparams, cfg, tokens, prompt_lens, cache):
         b, n = tokens.shape[0], self.exit_layer
@@ -56,6 +60,8 @@ class SpecEE(Drafter):
                   "exited": jnp.zeros((b,), bool),
                   "recent": jnp.full((b, RECENT), -100, jnp.int32),
                   "exits": jnp.zeros((b, cfg.num_layers + 1), jnp.int32)}  # tokens per exit depth
+        if self.kv == "mask":  # [L - N, B, S] which deep-layer entries exist (positions past a row's are masked anyway)
+            dstate["valid"] = jnp.ones((cfg.num_layers - n, b, cache.length), bool)
         return last_prompt_state(h, prompt_lens), cache, dstate
 
     def draft(self, params, dparams, cfg, s, controller, sampling, key):
@@ -71,6 +77,7 @@ class SpecEE(Drafter):
         depth = jnp.full((b,), depth_count, jnp.int32)
         prev = jnp.zeros((b, predictors.CANDIDATES), jnp.float32)
         recent = s.dstate["recent"]
+        valid = []
         for d in range(n, depth_count):
             z = model.rms_norm(h[:, 0], params["final_norm"], cfg.rms_norm_eps)  # [B, D]
             cand_logits = jnp.einsum("bd,bcd->bc", z, rows, preferred_element_type=jnp.float32)
@@ -87,13 +94,18 @@ class SpecEE(Drafter):
             token = jnp.where(leave, choice, token)
             depth = jnp.where(leave, d, depth)
             going = going & ~leave
-            layer = functools.partial(_layer, cfg, params["layers"][d])
-            kv_only = functools.partial(_kv_only, cfg, params["layers"][d], dparams["kv"][d - n])
-            h, k[d], v[d] = jax.lax.cond(jnp.any(going), layer, kv_only, going, h, positions, cos, sin, k[d], v[d])
+            if self.kv == "mask":
+                valid.append(s.dstate["valid"][d - n].at[jnp.arange(b), s.length].set(going))
+                layer = functools.partial(_layer, cfg, params["layers"][d], valid=valid[-1])
+                skip = lambda going, h, positions, cos, sin, k, v: (h, k, v)  # noqa: E731
+            else:
+                layer = functools.partial(_layer, cfg, params["layers"][d])
+                skip = functools.partial(_kv_only, cfg, params["layers"][d], dparams["kv"][d - n])
+            h, k[d], v[d] = jax.lax.cond(jnp.any(going), layer, skip, going, h, positions, cos, sin, k[d], v[d])
         recent = jnp.where(live[:, None], jnp.concatenate([recent[:, 1:], depth[:, None]], axis=1), recent)
         exits = s.dstate["exits"] + live[:, None] * jax.nn.one_hot(depth, depth_count + 1, dtype=jnp.int32)
         dstate = {"head": head_kv, "hidden": h[:, 0], "token": token, "exited": depth < depth_count,
-                  "recent": recent, "exits": exits}
+                  "recent": recent, "exits": exits, **({"valid": jnp.stack(valid)} if valid else {})}
         return Draft(jnp.zeros((b, 0), jnp.int32), None, jnp.zeros((b,), jnp.int32), model.KVCache(k, v),
                      dstate, s.cstate)
 
@@ -121,10 +133,10 @@ def candidates(cfg, hp, h, positions, head_kv):
     return hp["vocab"][idx], jnp.take(hp["lm_head"], idx, axis=0).astype(jnp.float32), head_kv
 
 
-def _layer(cfg, lp, going, h, positions, cos, sin, k, v):
+def _layer(cfg, lp, going, h, positions, cos, sin, k, v, valid=None):
     """The whole layer for every row; rows no longer going keep their state (their K/V, computed
-    from it, are the fill)."""
-    out, k, v = model.decoder_layer(cfg, lp, h, positions, cos, sin, k, v)
+    from it, are the fill; under "mask" they are written but marked missing)."""
+    out, k, v = model.decoder_layer(cfg, lp, h, positions, cos, sin, k, v, valid)
     return jnp.where(going[:, None, None], out, h), k, v
 
 

@@ -122,6 +122,8 @@ def check_generation_args(args: argparse.Namespace) -> None:
         if not math.isfinite(getattr(args, name)):
             raise JspecError(f"--{name.replace('_', '-')} must be a finite number")
     Sampling(args.temperature, args.top_k, args.top_p)  # raises a JspecError naming the option
+    if args.exit_threshold is not None and not (math.isfinite(args.exit_threshold) and args.exit_threshold >= 0):
+        raise JspecError(f"--exit-threshold must be a number >= 0 (above 1: never exit), got {args.exit_threshold}")
     if args.method in LOSSY:
         logging.getLogger("jspec").warning(
             f"--method {args.method} is lossy: its output differs from ar's (docs/methods.md measures the cost)")

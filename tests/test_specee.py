@@ -121,6 +121,17 @@ def test_options_checked(setup):
         model.generate(PROMPTS[:1], method="specee", head=head, predictors=head)
 
 
+def test_cli_warns_and_checks(capsys):
+    from jspec.cli import main
+
+    assert main(["generate", "hi", "--method", "specee", "--exit-threshold", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "--exit-threshold must be a number >= 0" in err and "Traceback" not in err
+    assert main(["generate", "hi", "--method", "ar", "--exit-threshold", "0.5", "--max-new-tokens", "0"]) == 2
+    assert main(["generate", "hi", "--method", "specee", "--mesh", "data=999"]) == 2  # fails after the checks
+    assert "jspec: warning: --method specee is lossy" in capsys.readouterr().err
+
+
 # -- the reference: one token at a time, every layer by hand ------------------------------------
 
 def reference(model, hp, pp, threshold, kv_mode, prompt, count):

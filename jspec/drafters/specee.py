@@ -104,7 +104,9 @@ class SpecEE(Drafter):
             h, k[d], v[d] = jax.lax.cond(jnp.any(going), layer, skip, going, h, positions, cos, sin, k[d], v[d])
         recent = jnp.where(live[:, None], jnp.concatenate([recent[:, 1:], depth[:, None]], axis=1), recent)
         exits = s.dstate["exits"] + live[:, None] * jax.nn.one_hot(depth, depth_count + 1, dtype=jnp.int32)
-        dstate = {"head": head_kv, "hidden": h[:, 0], "token": token, "exited": depth < depth_count,
+        # Finished rows count as exited: their token is dropped anyway, and they must not make
+        # the batch pay for the LM head.
+        dstate = {"head": head_kv, "hidden": h[:, 0], "token": token, "exited": (depth < depth_count) | ~live,
                   "recent": recent, "exits": exits, **({"valid": jnp.stack(valid)} if valid else {})}
         return Draft(jnp.zeros((b, 0), jnp.int32), None, jnp.zeros((b,), jnp.int32), model.KVCache(k, v),
                      dstate, s.cstate)
@@ -113,12 +115,14 @@ class SpecEE(Drafter):
         return dstate["hidden"][:, None], cache
 
     def target_logits(self, params, dparams, cfg, h, dstate, sampling):
-        """The exit state's distribution; a greedy exited row's token is its depth's choice."""
-        logits = model.logits(params, cfg, h)  # [B, 1, V]
+        """The exit state's distribution; a greedy exited row's token is its depth's choice, and
+        when every row has one the LM head (a fifth of SmolLM2-135M's work per token) is skipped."""
         if not sampling.greedy:
-            return logits
-        forced = jnp.where(jnp.arange(cfg.vocab_size) == dstate["token"][:, None], 0.0, -jnp.inf)
-        return jnp.where(dstate["exited"][:, None, None], forced[:, None], logits)
+            return model.logits(params, cfg, h)  # [B, 1, V]
+        forced = jnp.where(jnp.arange(cfg.vocab_size) == dstate["token"][:, None], 0.0, -jnp.inf)[:, None]
+        exited = dstate["exited"][:, None, None]
+        return jax.lax.cond(jnp.all(exited), lambda: forced,
+                            lambda: jnp.where(exited, forced, model.logits(params, cfg, h)))
 
     def stats(self, dstate) -> dict:
         return {"exits": dstate["exits"]}

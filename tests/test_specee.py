@@ -104,6 +104,17 @@ def test_exits_match_reference(setup, kv, batch_size=4):
     assert set(exits) == {"1", "2", "3"}, exits
 
 
+def test_mesh_equals_one_device(setup, tiny_llama):
+    """Row masks, the per-layer conds and the K/V fill sharded over data=2, model=4."""
+    import jspec
+
+    model, head, pred, _ = setup
+    opts = dict(method="specee", head=head, predictors=pred, exit_threshold=THRESHOLD, max_new_tokens=NEW,
+                batch_size=4)
+    sharded = jspec.load(str(tiny_llama.path), mesh="data=2,model=4")
+    assert ids(sharded.generate(PROMPTS, **opts)) == ids(model.generate(PROMPTS, **opts))
+
+
 def test_wrong_model_refused(setup, make_tiny):
     _, head, pred, _ = setup
     other = make_tiny("llama", num_hidden_layers=4).jspec_model()

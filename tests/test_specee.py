@@ -115,6 +115,19 @@ def test_mesh_equals_one_device(setup, tiny_llama):
     assert ids(sharded.generate(PROMPTS, **opts)) == ids(model.generate(PROMPTS, **opts))
 
 
+def test_training_lowers_the_loss(setup, tmp_path):
+    from jspec.training import predictors as train_predictors
+
+    model, head, _, _ = setup
+    answers = ids(model.generate(PROMPTS, max_new_tokens=NEW, batch_size=4))
+    sequences = [(p["token_ids"], a) for p, a in zip(PROMPTS, answers)] * 3
+    pp, meta = train_predictors.train(model, head, "kangaroo", sequences, epochs=40, progress=False)
+    t = meta["training"]
+    assert t["final_loss"] < t["first_loss"] and len(t["held_out"]) == len(meta["depths"]) == 2
+    predictors.save(tmp_path / "p", pp, meta)
+    assert predictors.load(tmp_path / "p", model.cfg)[1]["schedule"] == meta["schedule"]
+
+
 def test_wrong_model_refused(setup, make_tiny):
     _, head, pred, _ = setup
     other = make_tiny("llama", num_hidden_layers=4).jspec_model()

@@ -4,7 +4,7 @@
     jspec generate --prompts in.jsonl --output out.jsonl     # one record per prompt, resumable
     jspec compare ar.jsonl spec.jsonl --prompts in.jsonl      # where two outputs differ, and why
     jspec convert model.gguf converted/                       # convert once, load fast
-    jspec bench ...                                           # see jspec/bench.py
+    jspec bench ...                                           # see jspec/bench/
     jspec distill-data --out data/                            # the target's own answers, for heads
     jspec train-head --kind eesd --exit-layer 6 --data data/ --out head/   # see jspec/training
     jspec env                                                 # versions, devices, cache: for bug reports
@@ -99,12 +99,18 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
                    help="draft: a smaller model sharing the target's tokenizer")
     d.add_argument("--head", default=None, metavar="PATH",
                    help="eesd, kangaroo: a head from jspec train-head (default: the one shipped for the "
-                        "default model)")
-    d.add_argument("--beam-width", type=int, default=None, metavar="W",
-                   help="mjsd: beams drafted per round (default: 4)")
-    d.add_argument("--accept-threshold", type=float, default=None, metavar="TAU",
-                   help="mjsd: keep the longest draft prefix whose target/draft likelihood ratio exceeds TAU "
+                        "default model); specee: the head its predictors were trained over")
+    m = p.add_argument_group("mjsd (lossy: the output differs from ar's)")
+    m.add_argument("--beam-width", type=int, default=None, metavar="W",
+                   help="beams drafted per round (default: 4)")
+    m.add_argument("--accept-threshold", type=float, default=None, metavar="TAU",
+                   help="keep the longest draft prefix whose target/draft likelihood ratio exceeds TAU "
                         "(default: 0.5)")
+    e = p.add_argument_group("specee (lossy: the output differs from ar's)")
+    e.add_argument("--exit-threshold", type=float, default=None, metavar="P",
+                   help="exit when a layer's predictor says more than P (default: 0.5; above 1: never)")
+    e.add_argument("--predictors", default=None, metavar="PATH",
+                   help="exit predictors from jspec train-predictors (default: those shipped for the default model)")
 
 
 def check_generation_args(args: argparse.Namespace) -> None:
@@ -123,8 +129,11 @@ def check_generation_args(args: argparse.Namespace) -> None:
         if not math.isfinite(getattr(args, name)):
             raise JspecError(f"--{name.replace('_', '-')} must be a finite number")
     Sampling(args.temperature, args.top_k, args.top_p)  # raises a JspecError naming the option
+    if args.exit_threshold is not None and not (math.isfinite(args.exit_threshold) and args.exit_threshold >= 0):
+        raise JspecError(f"--exit-threshold must be a number >= 0 (above 1: never exit), got {args.exit_threshold}")
     if args.method in LOSSY:
-        logging.getLogger("jspec").warning(f"--method {args.method} is lossy: its output differs from --method ar's")
+        logging.getLogger("jspec").warning(
+            f"--method {args.method} is lossy: its output differs from ar's (docs/methods.md measures the cost)")
     if args.mesh is not None:
         for part in filter(None, args.mesh.replace(" ", "").split(",")):
             name, _, value = part.partition("=")
@@ -143,7 +152,8 @@ def generation_options(args: argparse.Namespace) -> dict:
     method = {"max_draft": args.max_draft, "controller": args.controller, "threshold": args.threshold,
               "thompson_variant": args.thompson_variant, "draft_cost": args.draft_cost,
               "exit_layer": args.exit_layer, "skip_layers": skip, "draft_model": args.draft_model,
-              "head": args.head, "beam_width": args.beam_width, "accept_threshold": args.accept_threshold}
+              "head": args.head, "beam_width": args.beam_width, "accept_threshold": args.accept_threshold,
+              "exit_threshold": args.exit_threshold, "predictors": args.predictors}
     return dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, temperature=args.temperature,
                 top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                 **{k: v for k, v in method.items() if v is not None})
@@ -560,7 +570,46 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- bench (jspec/bench.py: add_arguments(parser), main(args) -> int) --------------------------
+def _add_train_predictors(sub) -> None:
+    p = sub.add_parser(
+        "train-predictors", help="train SpecEE's exit predictors on the model's own answers",
+        description="Let the model answer training prompts, record at every layer from the head's on whether "
+                    "that layer's choice among the head's 4 candidates is already the final token, and fit "
+                    "one predictor per layer (held-out accuracy and precision go into OUT/predictors.json).")
+    p.add_argument("--prompts", default=prompt_sets.TRAIN_PROMPTS, metavar="IN.jsonl",
+                   help="training prompts: a file (.gz too) or a shipped training set (default: %(default)s)")
+    p.add_argument("--out", required=True, metavar="DIR", help="where the predictors go")
+    p.add_argument("--head", default=None, metavar="PATH",
+                   help="the Kangaroo or EESD head whose top 4 are the candidates (default: the shipped Kangaroo head)")
+    p.add_argument("--count", type=int, default=256, help="prompts to answer (default: %(default)s)")
+    p.add_argument("--max-prompt-tokens", type=int, default=192, metavar="N", help="(default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="answer length (default: %(default)s)")
+    p.add_argument("--epochs", type=int, default=30, help="(default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=8, metavar="N", help="rows per decoding batch (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    add_model_options(p)
+    p.set_defaults(func=cmd_train_predictors)
+
+
+def cmd_train_predictors(args: argparse.Namespace) -> int:
+    from jspec.jsonl import read_prompts
+    from jspec.training import predictors
+
+    source = prompt_sets.resolve(args.prompts)
+    if source.name in ("spec_bench.jsonl", "spec_bench.jsonl.gz"):
+        raise JspecError("spec_bench is the evaluation set: train on training prompts")
+    prompts = read_prompts(source)
+    model = load_model(args)
+    path, summary = predictors.make(model, prompts, args.out, head=args.head, count=args.count,
+                                    max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
+                                    epochs=args.epochs, batch_size=args.batch_size, seed=args.seed)
+    print(f"saved {path}: {summary['samples_per_depth']} samples per layer, loss {summary['first_loss']} -> "
+          f"{summary['final_loss']}, {summary['mean_layers_at_0.5']} layers per token at 0.5 "
+          f"(oracle {summary['oracle_mean_layers']}), {summary['wall_seconds']:.0f} s", file=sys.stderr)
+    return 0
+
+
+# -- bench (jspec/bench/: add_arguments(parser), main(args) -> int) --------------------------
 
 def _add_bench(sub, wanted: bool) -> None:
     p = sub.add_parser("bench", help="benchmark decoding methods", add_help=wanted)
@@ -573,6 +622,7 @@ def _add_bench(sub, wanted: bool) -> None:
             raise
         p.set_defaults(func=lambda args: _fail("jspec bench is not available in this version"))
         return
+    add_model_options(p)
     bench.add_arguments(p)
     p.set_defaults(func=bench.main)
 
@@ -594,6 +644,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     _add_convert(sub)
     _add_distill(sub)
     _add_train_head(sub)
+    _add_train_predictors(sub)
     _add_env(sub)
     _add_bench(sub, wanted=bool(argv) and argv[0] == "bench")
     return parser

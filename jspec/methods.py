@@ -8,32 +8,37 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from jspec import heads, sharding
+from jspec import predictors as predictors_io
 from jspec.controllers import make_controller
 from jspec.drafters.beam import Beam
 from jspec.drafters.draft_model import DraftModel
 from jspec.drafters.early_exit import EarlyExit
 from jspec.drafters.layer_skip import LayerSkip
+from jspec.drafters import specee
 from jspec.drafters.ngram import NGram
 from jspec.drafters.none import NoDraft
 from jspec.errors import JspecError
 
-METHODS = ("ar", "draft", "early-exit", "eesd", "kangaroo", "layer-skip", "ngram", "mjsd")
-LOSSY = ("mjsd",)  # output differs from ar's; jspec.quality measures by how much
-LOSSLESS = tuple(m for m in METHODS if m not in LOSSY)
+LOSSLESS = ("ar", "draft", "early-exit", "eesd", "kangaroo", "layer-skip", "ngram")
+LOSSY = ("mjsd", "specee")  # output differs from ar's: jspec bench reports their quality (jspec.quality)
+METHODS = LOSSLESS + LOSSY
 DEFAULT_CONTROLLER = {"ar": "fixed", "draft": "fixed", "early-exit": "confidence", "eesd": "thompson",
-                      "kangaroo": "confidence", "layer-skip": "dv", "ngram": "fixed", "mjsd": "fixed"}
+                      "kangaroo": "confidence", "layer-skip": "dv", "ngram": "fixed", "mjsd": "fixed",
+                      "specee": "fixed"}
 MAX_DRAFT = 8
 # MJSD drafts K = 4 tokens in W = 4 beams with tau = 0.5, the reference's settings (docs/methods.md).
 MJSD_MAX_DRAFT = 4
 BEAM_WIDTH = 4
 ACCEPT_THRESHOLD = 0.5
 HEAD_METHODS = heads.KINDS
+SPECEE_CHOICES = specee.CHOICES
 
 
 # K fixes the verification width (K + 1 positions every round, whatever the controller stops at).
@@ -76,7 +81,9 @@ def default_skip_layers(model) -> tuple[int, ...]:
 def build(method: str, model, *, max_draft: int | None = None, controller: str | None = None,
           exit_layer: int | None = None, skip_layers=None, draft_model=None, threshold: float | None = None,
           thompson_variant: str | None = None, draft_cost: float | None = None, head: str | None = None,
-          beam_width: int | None = None, accept_threshold: float | None = None):
+          beam_width: int | None = None, accept_threshold: float | None = None,
+          exit_threshold: float | None = None, predictors: str | None = None, exit_choice: str | None = None,
+          exit_kv: str | None = None):
     """(drafter, drafter params, controller) for `method` on `model` (a jspec.api.Model)."""
     if method not in METHODS:
         raise JspecError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
@@ -88,12 +95,16 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
         raise JspecError(f"--max-draft must be between 1 and 64, got {k}")
     ctrl = make_controller(controller or DEFAULT_CONTROLLER[method], threshold=threshold,
                            variant=thompson_variant, cost=draft_cost)
-    if head is not None and method not in HEAD_METHODS + ("mjsd",):
-        raise JspecError(f"--head goes with --method {', '.join(HEAD_METHODS)} or mjsd")
+    if head is not None and method not in HEAD_METHODS + ("mjsd", "specee"):
+        raise JspecError(f"--head goes with --method {', '.join(HEAD_METHODS)}, mjsd or specee")
+    if method != "specee" and (exit_threshold, predictors, exit_choice, exit_kv) != (None,) * 4:
+        raise JspecError("--exit-threshold and --predictors go with --method specee")
     if method == "mjsd":
         if controller not in (None, "fixed"):
             raise JspecError("--method mjsd always drafts --max-draft tokens: it takes no --controller")
         return _mjsd(model, k, exit_layer, draft_model, head, beam_width, accept_threshold)
+    if method == "specee":
+        return _build_specee(model, head, predictors, exit_threshold, exit_choice, exit_kv) + (ctrl,)
     if method == "ar":
         return NoDraft(), (), ctrl
     if method == "ngram":
@@ -126,28 +137,16 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
     return DraftModel(draft_cfg=draft_model.cfg, max_draft=k), _placed(draft_model.params, model), ctrl
 
 
-def _mjsd(model, k, exit_layer, draft_model, head, beam_width, accept_threshold):
-    """Beams over --draft-model, else over --head, else over the target's first --exit-layer layers
-    and its own LM head, else over the shipped EESD head (default model), else over early exit at a
-    quarter of the layers. --exit-layer may name every layer: the target drafting for itself, the
-    MJGD approximation (slow, a quality reference)."""
-    width = BEAM_WIDTH if beam_width is None else beam_width
-    tau = ACCEPT_THRESHOLD if accept_threshold is None else accept_threshold
-    most = min(64, model.cfg.vocab_size)
-    if not 1 <= width <= most:
-        raise JspecError(f"--beam-width must be between 1 and {most}, got {width}")
-    if not (0 < tau < float("inf")):
-        raise JspecError(f"--accept-threshold must be a positive number, got {tau}")
-    if draft_model is not None:
-        inner, dparams, ctrl = build("draft", model, max_draft=k, controller="fixed", draft_model=draft_model)
-    elif head is not None or (exit_layer is None and shipped(model, "eesd") is not None):
-        kind = heads.read_meta(head)["kind"] if head is not None else "eesd"
-        inner, dparams, ctrl = build(kind, model, max_draft=k, controller="fixed", exit_layer=exit_layer, head=head)
-    elif exit_layer == model.cfg.num_layers:
-        inner, dparams, ctrl = EarlyExit(max_draft=k, exit_layer=exit_layer), (), make_controller("fixed")
-    else:
-        inner, dparams, ctrl = build("early-exit", model, max_draft=k, controller="fixed", exit_layer=exit_layer)
-    return Beam(inner=inner, width=width, threshold=tau), dparams, ctrl
+    if head is not None and method not in HEAD_METHODS + ("mjsd", "specee"):
+        raise JspecError(f"--head goes with --method {', '.join(HEAD_METHODS)}, mjsd or specee")
+    if method != "specee" and (exit_threshold, predictors, exit_choice, exit_kv) != (None,) * 4:
+        raise JspecError("--exit-threshold and --predictors go with --method specee")
+    if method == "mjsd":
+        if controller not in (None, "fixed"):
+            raise JspecError("--method mjsd always drafts --max-draft tokens: it takes no --controller")
+        return _mjsd(model, k, exit_layer, draft_model, head, beam_width, accept_threshold)
+    if method == "specee":
+        return _build_specee(model, head, predictors, exit_threshold, exit_choice, exit_kv) + (ctrl,)
 
 
 def _placed(dparams, model):

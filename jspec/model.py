@@ -97,11 +97,14 @@ def _write(cache_layer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Arra
     return jax.vmap(put)(cache_layer, new.astype(cache_layer.dtype), start)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array) -> jax.Array:
-    """q [B, T, K, G, H] over cache k, v [B, S, K, H]; query at position p sees keys 0..p."""
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+    """q [B, T, K, G, H] over cache k, v [B, S, K, H]; query at position p sees keys 0..p, and of
+    those only the `valid` [B, S] ones when given (SpecEE leaves skipped layers' entries out)."""
     scale = q.shape[-1] ** -0.5
     scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) * scale
     visible = jnp.arange(k.shape[1])[None, None, :] <= q_pos[:, :, None]  # [B, T, S]
+    if valid is not None:
+        visible = visible & valid[:, None, :]
     scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1)
     # Heads-major output, transposed after: XLA's CPU dot writing [B, T, K, G, H] directly
@@ -123,7 +126,8 @@ def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
 
 
 def attention_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array, positions: jax.Array | None,
-                    cos: jax.Array, sin: jax.Array, k_cache: jax.Array, v_cache: jax.Array):
+                    cos: jax.Array, sin: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                    valid: jax.Array | None = None):
     """The attention half of a decoder block, residual included: h [B, T, D] -> h, k_cache, v_cache.
     positions None is a prefill: every row's tokens sit at 0..T-1."""
     g = cfg.group_size
@@ -141,7 +145,7 @@ def attention_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array,
     if positions is None:
         out = prefill_attention(q, k_cache, v_cache)
     else:
-        out = attention(q, k_cache, v_cache, positions)
+        out = attention(q, k_cache, v_cache, positions, valid)
     return h + linear(out.reshape(*out.shape[:2], -1), lp["wo"]), k_cache, v_cache
 
 
@@ -153,9 +157,10 @@ def mlp_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array) -> ja
 
 
 def decoder_layer(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array, positions: jax.Array | None,
-                  cos: jax.Array, sin: jax.Array, k_cache: jax.Array, v_cache: jax.Array):
+                  cos: jax.Array, sin: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                  valid: jax.Array | None = None):
     """One pre-norm decoder block. h [B, T, D]; k_cache, v_cache [B, S, K, H] of this layer."""
-    h, k_cache, v_cache = attention_block(cfg, lp, h, positions, cos, sin, k_cache, v_cache)
+    h, k_cache, v_cache = attention_block(cfg, lp, h, positions, cos, sin, k_cache, v_cache, valid)
     return mlp_block(cfg, lp, h), k_cache, v_cache
 
 

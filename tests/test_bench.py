@@ -17,7 +17,8 @@ import jax
 import numpy as np
 import pytest
 from conftest import tiny_hf_model
-from jspec import api, bench, bench_report, heads, methods
+from jspec import api, bench, heads, methods
+from jspec.bench import report as bench_report
 from jspec.cli import main
 from jspec.convert import store
 from jspec.errors import JspecError

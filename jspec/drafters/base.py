@@ -7,6 +7,8 @@ any, travel separately as `dparams`. It implements
     draft(params, dparams, cfg, state: LoopState, controller, sampling, key) -> Draft
     verify(params, dparams, cfg, tokens [B, K+1], positions [B, K+1], cache, dstate) -> (h, cache)
 
+and may override `target_logits` (what the loop accepts against) and `stats` (extra counters).
+
 `verify` returns the target's final hidden states for the fed tokens; the default runs the whole
 target, and self-speculative drafters override it to reuse work done while drafting.
 """
@@ -56,6 +58,15 @@ class Drafter:
 
     def verify(self, params, dparams, cfg, tokens, positions, cache, dstate):
         return model.forward(params, cfg, tokens, positions, cache)
+
+    def target_logits(self, params, dparams, cfg, h, dstate, sampling):
+        """The target's logits [B, K+1, V] from verify's states: its final norm and LM head, which
+        a lossy drafter (SpecEE) may replace."""
+        return model.logits(params, cfg, h)
+
+    def stats(self, dstate) -> dict:
+        """The drafter's own counters for the records, [B, ...] arrays (none by default)."""
+        return {}
 
 
 def draft_loop(step, carry, s, controller, sampling: Sampling, key, max_draft: int):

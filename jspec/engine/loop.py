@@ -87,7 +87,7 @@ def generate(params, dparams, cache: model.KVCache, tokens, prompt_lens, eos_ids
         positions = s.length[:, None] + jnp.arange(k + 1)[None, :]
         fed = jnp.concatenate([s.last[:, None], d.tokens], axis=1)
         h, cache = drafter.verify(params, dparams, cfg, fed, positions, d.cache, d.dstate)
-        target_logits = model.logits(params, cfg, h)
+        target_logits = drafter.target_logits(params, dparams, cfg, h, d.dstate, sampling)
         if drafter.accept is not None:
             n_acc, nxt = drafter.accept(d, target_logits, sampling, k_accept)
         elif sampling.greedy:
@@ -106,5 +106,6 @@ def generate(params, dparams, cache: model.KVCache, tokens, prompt_lens, eos_ids
     idx = prompt_lens[:, None] + jnp.arange(max_new_tokens)[None, :]
     out = jnp.take_along_axis(s.seq, jnp.minimum(idx, cache.length - 1), axis=1)
     out = jnp.where(jnp.arange(max_new_tokens)[None, :] < s.n[:, None], out, -1)
-    stats = {"new_tokens": s.n, "rounds": s.rounds, "drafted": s.drafted, "accepted": s.accepted}
+    stats = {"new_tokens": s.n, "rounds": s.rounds, "drafted": s.drafted, "accepted": s.accepted,
+             **drafter.stats(s.dstate)}
     return out, stats, s.cache

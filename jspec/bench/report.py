@@ -125,6 +125,34 @@ class Report:
                 out[method if b == self.main else f"{method} (b={b})"] = bad
         return out
 
+    def quality(self, method, b, ids):
+        """(mean NLL per token, ar's on the same questions, mean fraction of tokens identical to ar,
+        mean layers per token) of a lossy method; None where not measured."""
+        mine, ar = self.rows.get((method, b), {}), self.rows.get(("ar", b), {})
+        common = [i for i in ids if i in mine and i in ar and "nll_sum" in mine[i] and "nll_sum" in ar[i]]
+        nll = lambda got: (sum(got[i]["nll_sum"] for i in common) / sum(got[i]["nll_tokens"] for i in common)
+                           if common and sum(got[i]["nll_tokens"] for i in common) else None)
+        return (nll(mine), nll(ar), _mean(mine[i].get("same_tokens") for i in common),
+                _mean(mine[i].get("mean_layers") for i in common))
+
+    def lossy_labels(self) -> list[str]:
+        return [m for m in self.labels if m != "ar"
+                and any("nll_sum" in r for r in self.rows.get((m, self.main), {}).values())]
+
+    def quality_table(self) -> str:
+        rows = []
+        for m in self.lossy_labels():
+            for cat in self.categories + [None]:
+                ids = self._ids(cat)
+                nll, ar_nll, same, layers = self.quality(m, self.main, ids)
+                rows.append([f"`{m}`", cat or "**overall**", str(len(ids)),
+                             _fmt(self.speedup(m, self.main, ids, ("ar", self.main)), ".2f", "x"),
+                             _fmt(nll, ".3f"), _fmt(ar_nll, ".3f"),
+                             _fmt(nll / ar_nll - 1 if nll is not None and ar_nll else None, "+.1%"),
+                             _fmt(same, ".1%"), _fmt(layers, ".1f")])
+        return _table(["method", "category", "questions", "speedup vs ar", "NLL", "ar NLL", "NLL vs ar",
+                       "tokens identical to ar", "mean layers"], rows)
+
     # -- tables ----------------------------------------------------------------------------------
     def overall_table(self) -> str:
         ids, b = self._ids(), self.main
@@ -139,6 +167,8 @@ class Report:
                 miss = str(sum(bool(r.get("mismatch")) for r in got.values()))
             else:  # HF: informational (other kernels, other rounding)
                 miss = f"({sum(r.get('same_as_ar') is False for r in got.values())})"
+            if m in self.lossy_labels():
+                miss = "(lossy)"
             rows.append([f"`{m}`", str(len(got)), _fmt(self.tps(m, bm, ids), ".1f"),
                          _fmt(self.speedup(m, bm, ids, ("ar", b)), ".2f", "x"),
                          _fmt(self.speedup(m, bm, ids, hf_base), ".2f", "x") if hf_base else "-",
@@ -191,7 +221,7 @@ class Report:
         ])
 
     def console(self) -> str:
-        parts = [self.overall_table()]
+        parts = [self.overall_table()] + ([self.quality_table()] if self.lossy_labels() else [])
         if len(self.sizes) > 1:
             parts.append(self.batch_table())
         return "\n\n".join(parts)
@@ -208,6 +238,12 @@ class Report:
                "(torch kernels round differently, so near-ties may flip).", "",
                f"### Speedup vs jspec ar by category (batch {b})", "", self.category_table("speedup"), "",
                f"### Mean accepted tokens by category (batch {b})", "", self.category_table("accepted"), ""]
+        if self.lossy_labels():
+            out += [f"### Lossy methods: quality (batch {b})", "", self.quality_table(), "",
+                    "NLL: mean negative log-likelihood per generated token under the full model, teacher-forced "
+                    "(jspec/quality.py), beside `ar`'s on the same questions. Tokens identical to ar: the "
+                    "fraction of ar's positions where the method wrote the same token. Mean layers: layers run "
+                    "per decoded token.", ""]
         if len(self.sizes) > 1:
             out += ["### Batch throughput", "", self.batch_table(), "",
                     "Total new tokens / total wall time of the batches (tokens/s), and in parentheses the ratio "

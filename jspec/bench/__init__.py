@@ -195,20 +195,30 @@ class Results:
 # -- runs ------------------------------------------------------------------------------------------
 
 def _row(method: str, kind: str, batch_size: int, prompt: dict, ids: list[int], seconds: float, batch_rows: int,
-         stats: dict | None, results: Results, settings: dict, lossless: bool, text: str | None) -> dict:
+         stats: dict | None, results: Results, settings: dict, lossless: bool, text: str | None,
+         nll=None) -> dict:
+    """One result row; `nll` (per-token NLL of the output under the full model) adds the quality
+    columns: its sum and count, the fraction of positions whose token is ar's, the mean layers run."""
     ref = results.ar.get((1 if kind == "hf" else batch_size, json.dumps(prompt["id"])))
     same = True if (kind, method) == ("jspec", "ar") else None if ref is None else ids == ref
+    quality = {}
+    if nll is not None:  # lossy methods, and ar beside them: what the output is worth (jspec.quality)
+        quality = {"nll_sum": round(float(nll.sum(dtype="float64")), 6), "nll_tokens": len(nll),
+                   "same_tokens": None if ref is None else sum(a == b for a, b in zip(ids, ref)) / max(len(ref), 1),
+                   "mean_layers": stats and stats.get("mean_layers")}
     return {"method": method, "kind": kind, "batch_size": batch_size, "id": prompt["id"],
             "category": prompt["category"], "new_tokens": len(ids), "seconds": round(seconds, 6),
             "batch_rows": batch_rows, "tokens_per_second": round(len(ids) / seconds, 3) if seconds > 0 else None,
             "mean_accepted_tokens": stats and stats["mean_accepted_tokens"],
             "acceptance_rate": stats and stats["acceptance_rate"], "same_as_ar": same,
-            "mismatch": bool(lossless and same is False), **settings, "token_ids": ids, "text": text}
+            "mismatch": bool(lossless and same is False), **quality, **settings, "token_ids": ids, "text": text}
 
 
 def run_jspec(model, spec: MethodSpec, options: dict, chunk: list, requests: list, batch_size: int, args,
-              results: Results, settings: dict, warmed: set) -> list[dict]:
-    """Time one batch of `requests` (the prompts `chunk`) `args.repeats` times; one row per prompt."""
+              results: Results, settings: dict, warmed: set, score: bool = False) -> list[dict]:
+    """Time one batch of `requests` (the prompts `chunk`) `args.repeats` times; one row per prompt.
+    `score` (lossy methods and ar beside them) scores each output under the full model, untimed."""
+    from jspec import quality
     from jspec.api import prompt_bucket
 
     shape = (spec.label, batch_size, prompt_bucket(max(len(r.token_ids) for r in requests)))
@@ -220,13 +230,15 @@ def run_jspec(model, spec: MethodSpec, options: dict, chunk: list, requests: lis
     runs = [run() for _ in range(args.repeats)]
     seconds = statistics.median(rs[0]["seconds"] for rs in runs)
     lossless = spec.name in methods.LOSSLESS
+    score = score or spec.name in methods.LOSSY
     return [_row(spec.label, "jspec", batch_size, p, r["token_ids"], seconds, len(chunk), r["stats"], results,
-                 settings, lossless, r["text"]) for p, r in zip(chunk, runs[0])]
+                 settings, lossless, r["text"], quality.token_nll(model, q.token_ids, r["token_ids"]) if score else None)
+            for p, q, r in zip(chunk, requests, runs[0])]
 
 
 def run_hf(hf, method: str, prompt: dict, request, args, results: Results, settings: dict, eos: list[int],
            exit_layer: int) -> dict:
-    from jspec import bench_hf
+    from jspec.bench import hf as bench_hf
 
     runs = [bench_hf.generate(hf, method, request.token_ids, args.max_new_tokens, eos, exit_layer)
             for _ in range(args.repeats)]
@@ -237,8 +249,9 @@ def run_hf(hf, method: str, prompt: dict, request, args, results: Results, setti
 # -- the command -----------------------------------------------------------------------------------
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from jspec.cli import add_model_options
-
+    """The bench options, on a parser that already has the model options (jspec.cli adds them
+    first, so this package never imports the command line that imports it)."""
+    model_actions = list(p._actions)
     p.description = ("Time decoding methods on Spec-Bench prompts (greedy), check that lossless methods match "
                      "ar token for token, compare with Hugging Face generate, and write results, a Markdown "
                      "report and plots. Method syntax: name[:key=value;key=value] (see benchmarks/README.md).")
@@ -274,9 +287,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--section", default="bench", metavar="SECTION",
                    help="which marked section of FILE.md the report replaces (default: %(default)s)")
     o.add_argument("--plots", default=None, metavar="DIR", help="PNG plots (default: img/ next to --markdown)")
-    add_model_options(p)
+    ordered = [a for a in p._actions if a not in model_actions] + model_actions  # the command reads bench first
     p.set_defaults(bench_options=[(a.dest, a.option_strings[0], a.default, a.nargs == 0)
-                                  for a in p._actions if a.option_strings and a.dest != "help"])
+                                  for a in ordered if a.option_strings and a.dest != "help"])
 
 
 def command_line(args) -> str:
@@ -290,8 +303,8 @@ def command_line(args) -> str:
 
 
 def main(args) -> int:
-    from jspec import bench_hf, bench_report
-    from jspec.cli import load_model
+    from jspec.api import load
+    from jspec.bench import hf as bench_hf, report as bench_report
 
     specs = parse_methods(args.methods)
     if not re.fullmatch(r"[A-Za-z0-9_-]+", args.section):
@@ -317,7 +330,7 @@ def main(args) -> int:
     settings = {"model": args.model or DEFAULT_MODEL, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
                 "chat": not args.no_chat}
     results = Results(args.output, args.resume, settings)
-    model = load_model(args)
+    model = load(args.model, args.dtype, args.mesh)
     options = {}
     for s in specs:  # check every method's options before anything is timed
         opts = dict(s.options)
@@ -361,7 +374,7 @@ def _run_all(model, specs, options, sizes, batch_labels, hf, hf_methods, prompts
              settings, eos, exit_layer) -> None:
     from tqdm import tqdm
 
-    from jspec import bench_hf
+    from jspec.bench import hf as bench_hf
     from jspec.api import batches
 
     plan = [(b, [s for s in specs if b == args.batch_size or s.label in batch_labels]) for b in sizes]
@@ -371,6 +384,7 @@ def _run_all(model, specs, options, sizes, batch_labels, hf, hf_methods, prompts
     if todo < len(keys):
         print(f"resuming: {len(keys) - todo} of {len(keys)} rows already in {args.output}", file=sys.stderr)
     warmed: set = set()
+    lossy = any(s.name in methods.LOSSY for s in specs)
     with tqdm(total=len(keys), initial=len(keys) - todo, unit="row", file=sys.stderr, dynamic_ncols=True,
               mininterval=1.0, disable=todo == 0) as bar:
         for b, ss in plan:
@@ -381,7 +395,8 @@ def _run_all(model, specs, options, sizes, batch_labels, hf, hf_methods, prompts
                     if idx:
                         bar.set_description(f"{s.label} b={b}", refresh=False)
                         results.add(run_jspec(model, s, options[s.label], [prompts[i] for i in idx],
-                                              [requests[i] for i in idx], b, args, results, settings, warmed))
+                                              [requests[i] for i in idx], b, args, results, settings, warmed,
+                                              score=lossy and s.label == "ar"))
                         bar.update(len(idx))
                 if b != 1:
                     continue

@@ -1,0 +1,170 @@
+"""SpecEE: the target exits early when per-layer predictors say its token is settled (lossy).
+
+Nothing is drafted or verified (K = 0): each round decodes one token, and `draft` does the work.
+For the token fed at position p:
+
+1. Layers 0..N-1 run as usual; at depth N a trained early-exit head (Kangaroo's or EESD's, over
+   its draft vocabulary) proposes C = 4 candidates for the next token: its top 4.
+2. At every later depth d < L the final norm of the state times the candidates' LM-head rows
+   gives C candidate logits; at the depths the schedule checks, a predictor (jspec.predictors)
+   reads them, and a row exits when it says > threshold and the depth's choice is a candidate.
+   `choice` "candidates" takes the argmax among the candidates (always one: 4 dot products);
+   "full" takes the full-vocabulary argmax (the paper's rule: a whole LM head per check).
+3. Each remaining layer runs under `lax.cond`: while any row is still going, the layer runs for
+   all rows and the exited rows keep their state (masked); once none is, only the layer's K/V
+   projection runs. Either way an exited row's K/V at the deeper layers are those of its exit
+   state, so every cache entry below a row's position is written ("fill"). The reference's way,
+   "mask", writes nothing for skipped layers and keeps a [L - N, B, S] map of which deep-layer
+   entries exist, which later tokens' attention respects; a layer no row needs is then skipped
+   outright. docs/methods.md measures the two.
+
+The exit threshold travels in `dparams` (a traced scalar), so a threshold sweep compiles once.
+The exited row's token is its depth's choice (greedy), or a sample from the exit state's
+full-vocabulary distribution. The schedule: the offline depths (where exits were frequent in
+training) and, per row, e - 2, e, e + 2 around each of its last 5 exit depths e (the
+reference's online rule). The prefill runs at full depth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jspec import heads, model, predictors
+from jspec.drafters.base import Draft, Drafter, last_prompt_state
+
+RECENT = 5  # exit depths remembered per row for the online schedule
+CHOICES = ("candidates", "full")
+KV_MODES = ("fill", "mask")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecEE(Drafter):
+    max_draft: int = 0
+    exit_layer: int = 4  # N: the head reads the depth-N state; predictors cover depths N .. L-1
+    schedule: tuple[int, ...] = ()  # offline checked depths
+    choice: str = "candidates"
+    kv: str = "fill"  # or "mask": skipped layers write nothing, later tokens attend only to what exists
+
+    def prefill(self, params, dparams, cfg, tokens, prompt_lens, cache):
+        b, n = tokens.shape[0], self.exit_layer
+        h, cache = model.run_layers(params, cfg, model.embed(params, tokens), None, cache, range(n))
+        head_kv = heads.Head().prefill(dparams["head"], cfg, h, cache.length)
+        h, cache = model.run_layers(params, cfg, h, None, cache, range(n, cfg.num_layers))
+        dstate = {"head": head_kv,
+                  "hidden": jnp.zeros((b, cfg.hidden_size), jnp.float32),  # [B, D] the emitting state
+                  "token": jnp.zeros((b,), jnp.int32),  # the exit depth's choice
+                  "exited": jnp.zeros((b,), bool),
+                  "recent": jnp.full((b, RECENT), -100, jnp.int32),
+                  "exits": jnp.zeros((b, cfg.num_layers + 1), jnp.int32)}  # tokens per exit depth
+        if self.kv == "mask":  # [L - N, B, S] which deep-layer entries exist (positions past a row's are masked anyway)
+            dstate["valid"] = jnp.ones((cfg.num_layers - n, b, cache.length), bool)
+        return last_prompt_state(h, prompt_lens), cache, dstate
+
+    def draft(self, params, dparams, cfg, s, controller, sampling, key):
+        b, n, depth_count = s.last.shape[0], self.exit_layer, cfg.num_layers
+        positions = s.length[:, None]  # [B, 1]
+        cos, sin = model.rope(cfg, positions)
+        h, cache = model.run_layers(params, cfg, model.embed(params, s.last[:, None]), positions, s.cache, range(n))
+        cand, rows, head_kv = candidates(cfg, dparams["head"], h, positions, s.dstate["head"])
+        k, v = list(cache.k), list(cache.v)
+        live = ~s.done
+        going = live
+        token = jnp.zeros((b,), jnp.int32)
+        depth = jnp.full((b,), depth_count, jnp.int32)
+        prev = jnp.zeros((b, predictors.CANDIDATES), jnp.float32)
+        recent = s.dstate["recent"]
+        valid = []
+        for d in range(n, depth_count):
+            z = model.rms_norm(h[:, 0], params["final_norm"], cfg.rms_norm_eps)  # [B, D]
+            cand_logits = jnp.einsum("bd,bcd->bc", z, rows, preferred_element_type=jnp.float32)
+            x, prev = predictors.features(cand_logits, prev)
+            checked = jnp.any((recent[:, :, None] + jnp.array([-2, 0, 2])) == d, axis=(1, 2))
+            if d in self.schedule:
+                checked = jnp.ones_like(checked)
+            choice = jnp.take_along_axis(cand, jnp.argmax(cand_logits, axis=-1)[:, None], axis=1)[:, 0]
+            ok = jnp.ones_like(checked)
+            if self.choice == "full":
+                choice = jnp.argmax(model.logits(params, cfg, h[:, 0]), axis=-1).astype(jnp.int32)
+                ok = jnp.any(cand == choice[:, None], axis=1)
+            leave = going & checked & ok & (predictors.score(dparams["pred"], d - n, x) > dparams["threshold"])
+            token = jnp.where(leave, choice, token)
+            depth = jnp.where(leave, d, depth)
+            going = going & ~leave
+            if self.kv == "mask":
+                valid.append(s.dstate["valid"][d - n].at[jnp.arange(b), s.length].set(going))
+                layer = functools.partial(_layer, cfg, params["layers"][d], valid=valid[-1])
+                skip = lambda going, h, positions, cos, sin, k, v: (h, k, v)  # noqa: E731
+            else:
+                layer = functools.partial(_layer, cfg, params["layers"][d])
+                skip = functools.partial(_kv_only, cfg, params["layers"][d], dparams["kv"][d - n])
+            h, k[d], v[d] = jax.lax.cond(jnp.any(going), layer, skip, going, h, positions, cos, sin, k[d], v[d])
+        recent = jnp.where(live[:, None], jnp.concatenate([recent[:, 1:], depth[:, None]], axis=1), recent)
+        exits = s.dstate["exits"] + live[:, None] * jax.nn.one_hot(depth, depth_count + 1, dtype=jnp.int32)
+        # Finished rows count as exited: their token is dropped anyway, and they must not make
+        # the batch pay for the LM head.
+        dstate = {"head": head_kv, "hidden": h[:, 0], "token": token, "exited": (depth < depth_count) | ~live,
+                  "recent": recent, "exits": exits, **({"valid": jnp.stack(valid)} if valid else {})}
+        return Draft(jnp.zeros((b, 0), jnp.int32), None, jnp.zeros((b,), jnp.int32), model.KVCache(k, v),
+                     dstate, s.cstate)
+
+    def verify(self, params, dparams, cfg, tokens, positions, cache, dstate):
+        return dstate["hidden"][:, None], cache
+
+    def target_logits(self, params, dparams, cfg, h, dstate, sampling):
+        """The exit state's distribution; a greedy exited row's token is its depth's choice, and
+        when every row has one the LM head (a fifth of SmolLM2-135M's work per token) is skipped."""
+        if not sampling.greedy:
+            return model.logits(params, cfg, h)  # [B, 1, V]
+        forced = jnp.where(jnp.arange(cfg.vocab_size) == dstate["token"][:, None], 0.0, -jnp.inf)[:, None]
+        exited = dstate["exited"][:, None, None]
+        return jax.lax.cond(jnp.all(exited), lambda: forced,
+                            lambda: jnp.where(exited, forced, model.logits(params, cfg, h)))
+
+    def stats(self, dstate) -> dict:
+        return {"exits": dstate["exits"]}
+
+
+def candidates(cfg, hp, h, positions, head_kv):
+    """The head's top C tokens after the depth-N state h [B, 1, D]: (ids [B, C], their LM-head rows
+    [B, C, D], the head's cache)."""
+    x, head_kv = heads.block(cfg, hp, h, positions, head_kv)
+    sub = model.linear(x[:, 0], hp["lm_head"], jnp.float32)  # [B, M]
+    _, idx = jax.lax.top_k(sub, predictors.CANDIDATES)
+    return hp["vocab"][idx], jnp.take(hp["lm_head"], idx, axis=0).astype(jnp.float32), head_kv
+
+
+def _layer(cfg, lp, going, h, positions, cos, sin, k, v, valid=None):
+    """The whole layer for every row; rows no longer going keep their state (their K/V, computed
+    from it, are the fill; under "mask" they are written but marked missing)."""
+    out, k, v = model.decoder_layer(cfg, lp, h, positions, cos, sin, k, v, valid)
+    return jnp.where(going[:, None, None], out, h), k, v
+
+
+def _kv_only(cfg, lp, kv, going, h, positions, cos, sin, k, v):
+    """Only the layer's K/V of h (the fill), when no row needs the layer's output."""
+    x = model.rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
+    new = model.linear(x, kv["wqkv"])
+    if "bqkv" in kv:
+        new = new + kv["bqkv"]
+    new = new.reshape(*new.shape[:2], cfg.num_kv_heads, 2, cfg.head_dim)
+    new_k = model._rotate(new[:, :, :, 0], cos[:, :, None], sin[:, :, None])
+    start = positions[:, 0]
+    return h, model._write(k, new_k, start), model._write(v, new[:, :, :, 1], start)
+
+
+def kv_weights(params, cfg, first: int) -> list[dict]:
+    """Each layer from `first` on: the K and V rows of its QKV projection ([K*2*H, D], per kv
+    group its k then its v), so the fill need not compute the queries."""
+    g, hd = cfg.group_size, cfg.head_dim
+    out = []
+    for lp in params["layers"][first:]:
+        w = lp["wqkv"].reshape(cfg.num_kv_heads, g + 2, hd, -1)[:, g:].reshape(-1, lp["wqkv"].shape[-1])
+        entry = {"wqkv": w}
+        if "bqkv" in lp:
+            entry["bqkv"] = lp["bqkv"].reshape(cfg.num_kv_heads, g + 2, hd)[:, g:].reshape(-1)
+        out.append(entry)
+    return out

@@ -108,7 +108,7 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
                         "(default: 0.5)")
     e = p.add_argument_group("specee (lossy: the output differs from ar's)")
     e.add_argument("--exit-threshold", type=float, default=None, metavar="P",
-                   help="exit when a layer's predictor says more than P (default: 0.5; above 1: never)")
+                   help="exit when a layer's predictor says more than P (default: 0.9, measured; above 1: never)")
     e.add_argument("--predictors", default=None, metavar="PATH",
                    help="exit predictors from jspec train-predictors (default: those shipped for the default model)")
 

@@ -39,6 +39,10 @@ BEAM_WIDTH = 4
 ACCEPT_THRESHOLD = 0.5
 HEAD_METHODS = heads.KINDS
 SPECEE_CHOICES = specee.CHOICES
+# The reference's 0.5 lets SmolLM2-135M's predictors (held-out precision 0.57-0.70 below depth 21)
+# exit on tokens the full model would not write: output NLL 3.5x ar's. 0.9 measured +14% at 1.29x
+# (docs/benchmarks.md, "SpecEE"), the best trade of the sweep.
+EXIT_THRESHOLD = 0.9
 
 
 # K fixes the verification width (K + 1 positions every round, whatever the controller stops at).
@@ -137,16 +141,69 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
     return DraftModel(draft_cfg=draft_model.cfg, max_draft=k), _placed(draft_model.params, model), ctrl
 
 
-    if head is not None and method not in HEAD_METHODS + ("mjsd", "specee"):
-        raise JspecError(f"--head goes with --method {', '.join(HEAD_METHODS)}, mjsd or specee")
-    if method != "specee" and (exit_threshold, predictors, exit_choice, exit_kv) != (None,) * 4:
-        raise JspecError("--exit-threshold and --predictors go with --method specee")
-    if method == "mjsd":
-        if controller not in (None, "fixed"):
-            raise JspecError("--method mjsd always drafts --max-draft tokens: it takes no --controller")
-        return _mjsd(model, k, exit_layer, draft_model, head, beam_width, accept_threshold)
-    if method == "specee":
-        return _build_specee(model, head, predictors, exit_threshold, exit_choice, exit_kv) + (ctrl,)
+def _mjsd(model, k, exit_layer, draft_model, head, beam_width, accept_threshold):
+    """Beams over --draft-model, else over --head, else over the target's first --exit-layer layers
+    and its own LM head, else over the shipped EESD head (default model), else over early exit at a
+    quarter of the layers. --exit-layer may name every layer: the target drafting for itself, the
+    MJGD approximation (slow, a quality reference)."""
+    width = BEAM_WIDTH if beam_width is None else beam_width
+    tau = ACCEPT_THRESHOLD if accept_threshold is None else accept_threshold
+    most = min(64, model.cfg.vocab_size)
+    if not 1 <= width <= most:
+        raise JspecError(f"--beam-width must be between 1 and {most}, got {width}")
+    if not (0 < tau < float("inf")):
+        raise JspecError(f"--accept-threshold must be a positive number, got {tau}")
+    if draft_model is not None:
+        inner, dparams, ctrl = build("draft", model, max_draft=k, controller="fixed", draft_model=draft_model)
+    elif head is not None or (exit_layer is None and shipped(model, "eesd") is not None):
+        kind = heads.read_meta(head)["kind"] if head is not None else "eesd"
+        inner, dparams, ctrl = build(kind, model, max_draft=k, controller="fixed", exit_layer=exit_layer, head=head)
+    elif exit_layer == model.cfg.num_layers:
+        inner, dparams, ctrl = EarlyExit(max_draft=k, exit_layer=exit_layer), (), make_controller("fixed")
+    else:
+        inner, dparams, ctrl = build("early-exit", model, max_draft=k, controller="fixed", exit_layer=exit_layer)
+    return Beam(inner=inner, width=width, threshold=tau), dparams, ctrl
+
+
+def _build_specee(model, head: str | None, path: str | None, threshold: float | None, choice: str | None,
+                  kv: str | None):
+    """SpecEE's drafter and params: its predictors, the head they were trained over (its candidates),
+    and the K/V rows of the layers an exit may skip."""
+    threshold = EXIT_THRESHOLD if threshold is None else threshold
+    if not (isinstance(threshold, (int, float)) and math.isfinite(threshold) and threshold >= 0):
+        raise JspecError(f"--exit-threshold must be a number >= 0 (above 1: never exit), got {threshold}")
+    choice = choice or "candidates"
+    if choice not in SPECEE_CHOICES:
+        raise JspecError(f"unknown exit choice {choice!r}; choose one of {', '.join(SPECEE_CHOICES)}")
+    kv = kv or "fill"
+    if kv not in specee.KV_MODES:
+        raise JspecError(f"unknown exit KV handling {kv!r}; choose one of {', '.join(specee.KV_MODES)}")
+    path = path or shipped(model, "specee")
+    if path is None:
+        raise JspecError("--method specee needs --predictors PATH: predictors ship only for the default model "
+                         "(train them with jspec train-predictors)")
+    if not Path(path).exists():
+        raise JspecError(f"predictors {path} do not exist")
+    stamp = (Path(path) / "predictors.json").stat().st_mtime_ns if (Path(path) / "predictors.json").exists() else None
+    pp, meta = _read_predictors(str(Path(path).resolve()), stamp, model.cfg)
+    hp, head_meta = _load_head(meta["head"]["kind"], model, head)
+    n = head_meta["exit_layer"]
+    if meta["depths"][0] != n or meta["depths"][-1] != model.cfg.num_layers - 1:
+        raise JspecError(f"predictors {path} cover depths {meta['depths'][0]}..{meta['depths'][-1]}, but their "
+                         f"head exits at layer {n} and the model has {model.cfg.num_layers} layers")
+    dtype = model.params["embed"].dtype
+    head_params = jax.tree.map(lambda x: x if x.dtype == jnp.int32 else x.astype(dtype),
+                               heads.draft_params(model.params, hp))
+    layers = _placed({"head": head_params, "kv": specee.kv_weights(model.params, model.cfg, n)}, model)
+    if model.mesh is not None:
+        pp = jax.device_put(pp, sharding.NamedSharding(model.mesh, sharding.P()))
+    drafter = specee.SpecEE(exit_layer=n, schedule=tuple(meta["schedule"]), choice=choice, kv=kv)
+    return drafter, {**layers, "pred": pp, "threshold": jnp.float32(threshold)}
+
+
+@functools.lru_cache(maxsize=8)
+def _read_predictors(path: str, stamp: int | None, cfg):
+    return predictors_io.load(path, cfg)
 
 
 def _placed(dparams, model):

@@ -156,6 +156,9 @@ def test_training_on_answers_and_text_with_held_out_answers(lm, data, tmp_path):
     assert summary["best_step"] % 5 == 0 and summary["best_step"] <= summary["steps"] <= 40
     if summary["steps"] < 40:  # stopped early: `patience` measurements after the best
         assert summary["steps"] == summary["best_step"] + 2 * 5
+    again = train.evaluate_head(lm, path, [data, text, held], data_folders=2, batch_size=RECIPE.batch_size)
+    assert again["held_out_sequences"] == 6
+    assert abs(again["agreement"] - summary["agreement"]) < 1e-4  # the saved head is the best one
 
 
 @pytest.mark.parametrize("kind", heads.KINDS)

@@ -135,6 +135,32 @@ def split(keys: np.ndarray, fraction: float, seed: int, held_keys: np.ndarray | 
     return np.flatnonzero(~held), np.flatnonzero(held)
 
 
+def held_out(data: dict, data_folders: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(training rows, held-out rows) of `load_data`'s arrays whose first `data_folders` folders are
+    training data and the rest held-out data (then the training rows of their prompts go to
+    neither side), or, without held-out folders, split by `split`."""
+    if data_folders == data["folder"].max() + 1:
+        return split(data["prompt_key"], fraction, seed)
+    is_eval = data["folder"] >= data_folders
+    train_rows, held = split(data["prompt_key"], 0, 0, data["prompt_key"][is_eval])
+    return train_rows, held[is_eval[held]]
+
+
+def evaluate_head(lm, head: str | Path, folders: list, data_folders: int, fraction: float = 0.05, seed: int = 0,
+                  batch_size: int = 8) -> dict:
+    """Held-out metrics of a saved head on the rows `held_out` picks (the same as `train` with
+    these folders, fraction and seed)."""
+    hp, meta = heads.load(head, lm.cfg)
+    _, data = load_data(folders)
+    _, rows = held_out(data, data_folders, fraction, seed)
+    arrays = _prepare(data, np.asarray(hp["vocab"]), lm.cfg.vocab_size)
+    arrays["hidden"] = exit_states(lm.params, lm.cfg, meta["exit_layer"], data["tokens"], 2 * batch_size)
+    frozen = {"vocab": hp["vocab"], "lm_head": heads.draft_params(lm.params, hp)["lm_head"].astype(jnp.float32)}
+    evaluate = jax.jit(lambda tr, batch: _losses(_forward(tr, frozen, lm.cfg, batch), batch, 0.0)[1])
+    return {**_evaluate(evaluate, {"layer": hp["layer"], "norm": hp["norm"]}, arrays, rows, batch_size),
+            "held_out_sequences": len(rows), "held_out_tokens": int(data["answer_lens"][rows].sum())}
+
+
 def exit_states(params, cfg, exit_layer: int, tokens: np.ndarray, batch_size: int) -> np.ndarray:
     """The frozen target's layer-N hidden states of every sequence [N, L, D], computed once: the
     head trains for many epochs on them, and they are most of a step's work otherwise."""
@@ -204,12 +230,7 @@ def train(lm, data_dirs, out, recipe: Recipe, eval_dirs=(), progress: bool = Tru
     if data["top_ids"].max() >= cfg.vocab_size:
         raise JspecError("the data was made with another model's vocabulary")
     n = len(data["tokens"])
-    if eval_dirs:  # rows of the held-out prompts in the training folders go to neither side
-        is_eval = data["folder"] >= len(data_dirs)
-        train_rows, held = split(data["prompt_key"], 0, 0, data["prompt_key"][is_eval])
-        eval_rows = held[is_eval[held]]
-    else:
-        train_rows, eval_rows = split(data["prompt_key"], recipe.eval_fraction, recipe.seed)
+    train_rows, eval_rows = held_out(data, len(data_dirs), recipe.eval_fraction, recipe.seed)
     if len(train_rows) < recipe.batch_size or not len(eval_rows):
         raise JspecError(f"the data has {len(train_rows)} training and {len(eval_rows)} held-out sequences: "
                          f"too few for a batch of {recipe.batch_size} and a held-out set")
@@ -311,12 +332,12 @@ def train(lm, data_dirs, out, recipe: Recipe, eval_dirs=(), progress: bool = Tru
     wall += time.perf_counter() - t0
 
     final = state["best_params"] if recipe.eval_every else state["params"]
-    held_out = _evaluate(evaluate, final, arrays, eval_rows, recipe.batch_size)
+    final_metrics = _evaluate(evaluate, final, arrays, eval_rows, recipe.batch_size)
     summary = {"steps": step, "best_step": int(state["best_step"]) if recipe.eval_every else step,
                "wall_seconds": round(wall, 1), "train_sequences": len(train_rows),
                "train_tokens": int(data["answer_lens"][train_rows].sum()), "held_out_sequences": len(eval_rows),
                "held_out_tokens": int(data["answer_lens"][eval_rows].sum()),
-               **{k: round(v, 4) for k, v in held_out.items()}, "recipe": dataclasses.asdict(recipe),
+               **{k: round(v, 4) for k, v in final_metrics.items()}, "recipe": dataclasses.asdict(recipe),
                "data": [{"path": f, **m} for f, m in zip(folders, data_metas)]}
     meta = {"kind": recipe.kind, "exit_layer": recipe.exit_layer, "model": heads.fingerprint(cfg),
             "model_name": lm.name, "draft_vocab": int(len(vocab)), "training": summary}

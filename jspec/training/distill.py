@@ -11,6 +11,10 @@ OUT/meta.json          what was asked for (a rerun must ask for the same to resu
 OUT/shard-00000.npz    tokens [N, P+A] (prompt then answer, zero padded), prompt_lens [N],
                        answer_lens [N], top_ids [N, A, k] int32, top_logp [N, A, k] float32
 
+The teacher-forced kind (jspec.training.teacher_forced: one forward over existing text) writes
+the same arrays, prompt_lens being the first target position, plus prompt_key; `load` gives both
+kinds alike, with `prompt_key` (which prompt a row came from, for splitting by prompt).
+
 Shards are written whole (temporary name, then rename); a rerun skips the shards that exist,
 so an interrupted run resumes losing at most one shard.
 """

@@ -507,9 +507,9 @@ def cmd_distill(args: argparse.Namespace) -> int:
     from jspec.jsonl import read_prompts
     from jspec.training import distill, teacher_forced
 
-    names = [s for s in prompt_sets.SETS if s != prompt_sets.SPEC_BENCH] if args.prompts == ["all"] else args.prompts
+    every_set = [s for s in prompt_sets.SETS if s != prompt_sets.SPEC_BENCH]
     prompts = []
-    for name in names:
+    for name in [n for value in args.prompts for n in (every_set if value == "all" else [value])]:
         source = prompt_sets.resolve(name)
         if source.name in ("spec_bench.jsonl", "spec_bench.jsonl.gz"):
             raise JspecError("spec_bench is the evaluation set: distill from training prompts")

@@ -240,6 +240,8 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     bench.write_text('{"prompt": "x"}\n')
     for argv, message in [
         (["distill-data", "--prompts", str(bench), "--out", str(tmp_path / "d")], "evaluation set"),
+        (["distill-data", "--prompts", "all", "spec_bench", "--out", str(tmp_path / "d")], "evaluation set"),
+        (["distill-data", "--answers", str(tmp_path), "--out", str(tmp_path / "d")], "--answers goes with --source text"),
         (["train-head", "--kind", "eesd", "--exit-layer", "4", "--data", str(tmp_path / "none"),
           "--out", str(tmp_path / "h"), "--model", "/no/such/model"], "holds no distillation data"),
         (["train-head", "--kind", "medusa", "--exit-layer", "4", "--data", "d", "--out", "h"], "invalid choice"),

@@ -153,12 +153,13 @@ def evaluate_head(lm, head: str | Path, folders: list, data_folders: int, fracti
     hp, meta = heads.load(head, lm.cfg)
     _, data = load_data(folders)
     _, rows = held_out(data, data_folders, fraction, seed)
+    data = {k: v[rows] for k, v in data.items()}  # the frozen layers run on the held-out rows only
     arrays = _prepare(data, np.asarray(hp["vocab"]), lm.cfg.vocab_size)
     arrays["hidden"] = exit_states(lm.params, lm.cfg, meta["exit_layer"], data["tokens"], 2 * batch_size)
     frozen = {"vocab": hp["vocab"], "lm_head": heads.draft_params(lm.params, hp)["lm_head"].astype(jnp.float32)}
     evaluate = jax.jit(lambda tr, batch: _losses(_forward(tr, frozen, lm.cfg, batch), batch, 0.0)[1])
-    return {**_evaluate(evaluate, {"layer": hp["layer"], "norm": hp["norm"]}, arrays, rows, batch_size),
-            "held_out_sequences": len(rows), "held_out_tokens": int(data["answer_lens"][rows].sum())}
+    return {**_evaluate(evaluate, {"layer": hp["layer"], "norm": hp["norm"]}, arrays, np.arange(len(rows)), batch_size),
+            "held_out_sequences": len(rows), "held_out_tokens": int(data["answer_lens"].sum())}
 
 
 def exit_states(params, cfg, exit_layer: int, tokens: np.ndarray, batch_size: int) -> np.ndarray:

@@ -28,6 +28,22 @@ def speed(rows: list[dict], method: str) -> tuple[float, float, int]:
     return tps(got) / tps(ar), statistics.mean(got[i]["mean_accepted_tokens"] for i in both), len(both)
 
 
+def describe(d: dict) -> str:
+    if d.get("source") == "text":
+        return (f"{d['sequences']} training texts, teacher-forced (at most {d['max_tokens']} tokens), "
+                f"top-{d['top_k']} teacher log-probabilities")
+    return (f"{d['count']} prompts of train_prompts.jsonl (seed {d['seed']}), the model's own greedy answers of at "
+            f"most {d['max_new_tokens']} tokens, top-{d['top_k']} teacher log-probabilities")
+
+
+def command(i: int, d: dict) -> str:
+    if d.get("source") == "text":
+        return (f"jspec distill-data --source text --prompts all --out data{i} --max-tokens {d['max_tokens']} "
+                f"--top-k {d['top_k']} --shard-size {d['shard_size']}  # {d['sequences']} sequences")
+    return (f"jspec distill-data --out data{i} --count {d['count']} --max-new-tokens {d['max_new_tokens']} "
+            f"--top-k {d['top_k']} --seed {d['seed']}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("head")
@@ -43,7 +59,8 @@ def main() -> None:
         if dest.exists():
             shutil.rmtree(dest)
         shutil.copytree(src, dest)
-    d, r = t["data"], t["recipe"]
+    r = t["recipe"]
+    folders = [t["data"]] if isinstance(t["data"], dict) else t["data"]  # heads before several --data: one
     card = f"""# {kind} head for SmolLM2-135M-Instruct
 
 | | |
@@ -52,8 +69,8 @@ def main() -> None:
 | kind | {kind} ({"a decoder block + norm" if kind == "eesd" else "attention adapter + norm"}, frozen LM head) |
 | exit layer | {n} of 30 |
 | draft vocabulary | {meta["draft_vocab"]} tokens (covers {t["vocab_coverage"]:.1%} of the teacher's held-out top-1 tokens) |
-| data | {d["count"]} prompts of train_prompts.jsonl (seed {d["seed"]}), the model's own greedy answers of at most {d["max_new_tokens"]} tokens, top-{d["top_k"]} teacher log-probabilities; {t["train_sequences"]} sequences trained on, {t["held_out_sequences"]} held out |
-| training | {t["steps"]} steps of {r["batch_size"]} sequences, AdamW lr {r["lr"]} (warmup {r["warmup"]}, cosine), clip {r["clip"]}, {t["wall_seconds"] / 60:.0f} min on 2 CPU cores (wall time, whatever else ran) |
+| data | {"; ".join(describe(d) for d in folders)}; {t["train_sequences"]} sequences ({t.get("train_tokens", "?")} target tokens) trained on, {t["held_out_sequences"]} held out by prompt |
+| training | {t["steps"]} steps of {r["batch_size"]} sequences (best held-out agreement at step {t.get("best_step", t["steps"])}), AdamW lr {r["lr"]} betas ({r.get("b1", 0.9)}, {r.get("b2", 0.999)}) (warmup {r["warmup"]}, cosine), clip {r["clip"]}, {t["wall_seconds"] / 60:.0f} min on 2 CPU cores (wall time, whatever else ran) |
 | held-out top-1 agreement | {t["agreement"]:.3f} |
 | held-out expected acceptance (sum min(p, q)) | {t["expected_acceptance"]:.3f} |
 | Spec-Bench speedup vs jspec `ar` | {speedup:.2f}x, {accepted:.2f} mean accepted tokens ({prompts} questions, greedy, batch 1; docs/benchmarks.md) |
@@ -61,8 +78,8 @@ def main() -> None:
 Reproduce:
 
 ```bash
-jspec distill-data --out data --count {d["count"]} --max-new-tokens {d["max_new_tokens"]} --top-k {d["top_k"]} --seed {d["seed"]}
-jspec train-head --kind {kind} --exit-layer {n} --data data --out {kind}-head --steps {t["steps"]} --lr {r["lr"]} --draft-vocab {r["draft_vocab"]}
+{chr(10).join(command(i, d) for i, d in enumerate(folders))}
+jspec train-head --kind {kind} --exit-layer {n} --data {" ".join(f"data{i}" for i in range(len(folders)))} --out {kind}-head --steps {r["steps"]} --lr {r["lr"]} --b2 {r.get("b2", 0.999)} --warmup {r["warmup"]} --clip {r["clip"]} --draft-vocab {r["draft_vocab"]} --eval-every {r.get("eval_every", 0)}
 ```
 """
     (dest / "README.md").write_text(card)

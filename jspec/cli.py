@@ -6,6 +6,7 @@
     jspec convert model.gguf converted/                       # convert once, load fast
     jspec bench ...                                           # see jspec/bench/
     jspec distill-data --out data/                            # the target's own answers, for heads
+    jspec distill-data --source text --prompts all --out text/  # teacher-forced over the training text
     jspec train-head --kind eesd --exit-layer 6 --data data/ --out head/   # see jspec/training
     jspec env                                                 # versions, devices, cache: for bug reports
 
@@ -482,44 +483,73 @@ def _cached(path) -> str:
 
 def _add_distill(sub) -> None:
     p = sub.add_parser(
-        "distill-data", help="record the model's own answers and distributions for training draft heads",
-        description="Let the model answer training prompts and store its answers and top-k next-token "
-                    "log-probabilities in shards under OUT. Rerunning the same command resumes.")
-    p.add_argument("--prompts", default=prompt_sets.TRAIN_PROMPTS, metavar="IN.jsonl",
-                   help="training prompts: a file (.gz too) or a prompt set jspec ships, one of "
-                        f"{', '.join(s for s in prompt_sets.SETS if s != prompt_sets.SPEC_BENCH)} "
-                        "(default: %(default)s); never the evaluation set")
+        "distill-data", help="record the model's distributions (over its own answers or existing text) for heads",
+        description="Store the model's top-k next-token log-probabilities in shards under OUT: over its own "
+                    "answers to training prompts (--source answers), or teacher-forced over the prompts' text "
+                    "and earlier answer folders, one forward each (--source text). Rerunning the same command "
+                    "resumes.")
+    p.add_argument("--source", choices=("answers", "text"), default="answers",
+                   help="answers: let the model answer; text: one forward over existing text (default: %(default)s)")
+    p.add_argument("--prompts", nargs="+", default=[prompt_sets.TRAIN_PROMPTS], metavar="IN.jsonl",
+                   help="training prompts: files (.gz too) or prompt sets jspec ships, of "
+                        f"{', '.join(s for s in prompt_sets.SETS if s != prompt_sets.SPEC_BENCH)}, or 'all' of "
+                        "them (default: %(default)s); never the evaluation set")
+    p.add_argument("--answers", nargs="*", default=[], metavar="DIR",
+                   help="--source text: also the prompt + answer rows of these answer folders")
     p.add_argument("--out", required=True, metavar="DIR", help="the data folder")
-    p.add_argument("--count", type=int, default=512, help="prompts to answer (default: %(default)s)")
+    p.add_argument("--count", type=int, metavar="N",
+                   help="prompts to use, a seeded choice (default: 512 answers; all the text)")
     p.add_argument("--max-prompt-tokens", type=int, default=256, metavar="N",
-                   help="leave out longer prompts (default: %(default)s)")
+                   help="answers: leave out longer prompts (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
-                   help="answer length at most (default: %(default)s)")
+                   help="answers: answer length at most (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",
-                   help="0 for greedy answers, > 0 to sample them (default: %(default)s)")
+                   help="answers: 0 for greedy answers, > 0 to sample them (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=256, metavar="N",
+                   help="text: cut each sequence to N tokens (default: %(default)s)")
+    p.add_argument("--batch-tokens", type=int, default=2048, metavar="N",
+                   help="text: tokens per forward, padding included (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=32, metavar="K",
                    help="teacher log-probabilities kept per position (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=16, metavar="N", help="(default: %(default)s)")
-    p.add_argument("--shard-size", type=int, default=64, metavar="N", help="prompts per shard (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=16, metavar="N", help="answers (default: %(default)s)")
+    p.add_argument("--shard-size", type=int, metavar="N",
+                   help="sequences per shard (default: 64 answers, 256 text)")
     p.add_argument("--seed", type=int, default=0, help="prompt choice and sampling seed (default: %(default)s)")
     add_model_options(p)
     p.set_defaults(func=cmd_distill)
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
-    from jspec.jsonl import read_prompts
-    from jspec.training import distill
+    import random
 
-    source = prompt_sets.resolve(args.prompts)
-    if source.name in ("spec_bench.jsonl", "spec_bench.jsonl.gz"):
-        raise JspecError("spec_bench is the evaluation set: distill from training prompts")
-    prompts = read_prompts(source)
+    from jspec.jsonl import read_prompts
+    from jspec.training import distill, teacher_forced
+
+    every_set = [s for s in prompt_sets.SETS if s != prompt_sets.SPEC_BENCH]
+    prompts = []
+    for name in [n for value in args.prompts for n in (every_set if value == "all" else [value])]:
+        source = prompt_sets.resolve(name)
+        if source.name in ("spec_bench.jsonl", "spec_bench.jsonl.gz"):
+            raise JspecError("spec_bench is the evaluation set: distill from training prompts")
+        prompts += read_prompts(source)
+    if args.source == "answers" and args.answers:
+        raise JspecError("--answers goes with --source text")
     model = load_model(args)
-    out = distill.make(model, prompts, args.out, count=args.count, max_prompt_tokens=args.max_prompt_tokens,
-                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                       shard_size=args.shard_size, batch_size=args.batch_size, seed=args.seed)
+    if args.source == "answers":
+        out = distill.make(model, prompts, args.out, count=args.count or 512,
+                           max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
+                           temperature=args.temperature, top_k=args.top_k, shard_size=args.shard_size or 64,
+                           batch_size=args.batch_size, seed=args.seed)
+    else:
+        if args.count is not None:
+            prompts = random.Random(args.seed).sample(prompts, min(args.count, len(prompts)))
+        sequences = teacher_forced.from_prompts(model, prompts)
+        for folder in args.answers:
+            sequences += teacher_forced.from_answers(folder)
+        out = teacher_forced.make(model, sequences, args.out, max_tokens=args.max_tokens, top_k=args.top_k,
+                                  shard_size=args.shard_size or 256, batch_tokens=args.batch_tokens)
     meta, data = distill.load(out)
-    print(f"{out}: {len(data['tokens'])} answers, {int(data['answer_lens'].sum())} answer tokens", file=sys.stderr)
+    print(f"{out}: {len(data['tokens'])} sequences, {int(data['answer_lens'].sum())} target tokens", file=sys.stderr)
     return 0
 
 
@@ -534,13 +564,18 @@ def _add_train_head(sub) -> None:
                     "(rerunning the same command resumes), then save the head to OUT.")
     p.add_argument("--kind", required=True, choices=KINDS)
     p.add_argument("--exit-layer", type=int, required=True, metavar="N", help="draft from the first N layers")
-    p.add_argument("--data", required=True, metavar="DIR", help="a jspec distill-data folder")
+    p.add_argument("--data", required=True, nargs="+", metavar="DIR", help="jspec distill-data folders")
+    p.add_argument("--eval-data", nargs="*", default=[], metavar="DIR",
+                   help="held-out distill-data folders; their prompts are left out of training "
+                        "(default: hold out --eval-fraction of the prompts)")
     p.add_argument("--out", required=True, metavar="DIR", help="where the trained head goes")
     p.add_argument("--steps", type=int, default=r.steps, help="(default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=r.batch_size, metavar="N", help="(default: %(default)s)")
     p.add_argument("--lr", type=float, default=r.lr, help="peak learning rate (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=r.warmup, metavar="STEPS", help="(default: %(default)s)")
     p.add_argument("--weight-decay", type=float, default=r.weight_decay, help="(default: %(default)s)")
+    p.add_argument("--b1", type=float, default=r.b1, help="AdamW beta 1 (default: %(default)s)")
+    p.add_argument("--b2", type=float, default=r.b2, help="AdamW beta 2 (default: %(default)s)")
     p.add_argument("--clip", type=float, default=r.clip, help="gradient norm clip (default: %(default)s)")
     p.add_argument("--ce-weight", type=float, default=r.ce_weight,
                    help="weight of cross-entropy on the answer tokens, added to the KL (default: %(default)s)")
@@ -548,6 +583,10 @@ def _add_train_head(sub) -> None:
                    help="draft-only vocabulary: the M most frequent answer tokens; 0 = all (default: %(default)s)")
     p.add_argument("--eval-fraction", type=float, default=r.eval_fraction, help="(default: %(default)s)")
     p.add_argument("--save-every", type=int, default=r.save_every, metavar="STEPS", help="(default: %(default)s)")
+    p.add_argument("--eval-every", type=int, default=r.eval_every, metavar="STEPS",
+                   help="measure held-out agreement this often, keep the best head, stop after --patience "
+                        "measurements without a gain; 0: only at the end (default: %(default)s)")
+    p.add_argument("--patience", type=int, default=r.patience, help="(default: %(default)s)")
     p.add_argument("--seed", type=int, default=r.seed, help="(default: %(default)s)")
     add_model_options(p)
     p.set_defaults(func=cmd_train_head)
@@ -557,14 +596,16 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     from jspec.training import train
 
     recipe = train.Recipe(kind=args.kind, exit_layer=args.exit_layer, steps=args.steps, batch_size=args.batch_size,
-                          lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip,
-                          ce_weight=args.ce_weight, draft_vocab=args.draft_vocab,
-                          eval_fraction=args.eval_fraction, save_every=args.save_every, seed=args.seed)
+                          lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay, b1=args.b1, b2=args.b2,
+                          clip=args.clip, ce_weight=args.ce_weight, draft_vocab=args.draft_vocab,
+                          eval_fraction=args.eval_fraction, save_every=args.save_every,
+                          eval_every=args.eval_every, patience=args.patience, seed=args.seed)
     recipe.check()
-    if not os.path.isfile(os.path.join(args.data, "meta.json")):
-        raise JspecError(f"{args.data} holds no distillation data (no meta.json); run jspec distill-data first")
+    for folder in args.data + args.eval_data:
+        if not os.path.isfile(os.path.join(folder, "meta.json")):
+            raise JspecError(f"{folder} holds no distillation data (no meta.json); run jspec distill-data first")
     model = load_model(args)
-    path, summary = train.train(model, args.data, args.out, recipe)
+    path, summary = train.train(model, args.data, args.out, recipe, eval_dirs=args.eval_data)
     print(f"saved {path}: held-out agreement {summary['agreement']:.3f}, expected acceptance "
           f"{summary['expected_acceptance']:.3f}, {summary['wall_seconds']:.0f} s", file=sys.stderr)
     return 0

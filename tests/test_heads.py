@@ -17,7 +17,7 @@ from jspec import heads
 from jspec.api import Model
 from jspec.cli import main
 from jspec.errors import JspecError
-from jspec.training import distill, train
+from jspec.training import distill, teacher_forced, train
 
 NEW = 12
 
@@ -77,6 +77,90 @@ def test_distill_data_resumes_missing_shards(lm, data, tmp_path):
         make_data(lm, folder, max_new_tokens=NEW + 1)
 
 
+def make_text(lm, folder, sequences, **kw):
+    return teacher_forced.make(lm, sequences, folder, **{**dict(max_tokens=40, top_k=8, shard_size=16,
+                                                              batch_tokens=160, progress=False), **kw})
+
+
+def test_teacher_forced_data_equals_the_generating_paths(lm, data, tmp_path):
+    """Over the same prompt + answer tokens, one forward stores what answering stored."""
+    folder = make_text(lm, tmp_path / "text", teacher_forced.from_answers(data))
+    _, ref = distill.load(data)
+    _, got = distill.load(folder)
+    order = [int(np.flatnonzero(got["prompt_key"] == k)[0]) for k in ref["prompt_key"]]
+    assert sorted(order) == list(range(24))
+    for row, r in enumerate(order):
+        p, a = ref["prompt_lens"][row], ref["answer_lens"][row]
+        assert (got["prompt_lens"][r], got["answer_lens"][r]) == (p, a)
+        np.testing.assert_array_equal(got["tokens"][r, :p + a], ref["tokens"][row, :p + a])
+        np.testing.assert_array_equal(got["top_ids"][r, :a], ref["top_ids"][row, :a])
+        np.testing.assert_allclose(got["top_logp"][r, :a], ref["top_logp"][row, :a], rtol=0, atol=1e-5)
+
+
+def test_teacher_forced_data_covers_the_prompt_text_and_resumes(lm, tmp_path):
+    prompts = token_prompts(40, lm.cfg.vocab_size)
+    sequences = teacher_forced.from_prompts(lm, prompts)
+    folder = make_text(lm, tmp_path / "text", sequences, max_tokens=16)
+    _, d = distill.load(folder)
+    assert len(d["tokens"]) == 40 and (d["prompt_lens"] == 1).all()  # token ids: every next token a target
+    lens = np.array([min(len(p["token_ids"]), 16) for p in prompts])
+    assert sorted(d["answer_lens"].tolist()) == sorted((lens - 1).tolist())
+    for row, a, top in zip(d["tokens"], d["answer_lens"], d["top_ids"]):
+        # teacher-forced: the target of position i is the text's token i + 1, and the teacher's
+        # top-1 at i is the model's greedy next token after the text up to i
+        logits = np.asarray(_full_logits(lm, row[:a + 1]))
+        np.testing.assert_array_equal(top[:a, 0], logits[:a].argmax(-1))
+    shards = sorted(folder.glob("shard-*.npz"))
+    assert len(shards) == 3
+    kept = shards[0].stat().st_mtime_ns
+    shards[2].unlink()
+    make_text(lm, folder, sequences, max_tokens=16)
+    assert shards[0].stat().st_mtime_ns == kept
+    _, resumed = distill.load(folder)
+    for name in d:
+        np.testing.assert_array_equal(resumed[name], d[name])
+    with pytest.raises(JspecError, match="other settings"):
+        make_text(lm, folder, sequences[:30], max_tokens=16)
+
+
+def _full_logits(lm, tokens):
+    from jspec import model as M
+
+    h, _ = M.forward(lm.params, lm.cfg, tokens[None], None, M.KVCache.zeros(lm.cfg, 1, len(tokens)))
+    return M.logits(lm.params, lm.cfg, h)[0]
+
+
+def test_split_never_puts_a_prompt_on_both_sides(lm, data, tmp_path):
+    text = make_text(lm, tmp_path / "text", teacher_forced.from_prompts(lm, token_prompts(40, lm.cfg.vocab_size)))
+    _, d = train.load_data([data, text])
+    assert len(set(d["prompt_key"][d["folder"] == 0]) & set(d["prompt_key"][d["folder"] == 1])) == 24
+    for fraction in (0.2, 0.5):
+        tr, ev = train.split(d["prompt_key"], fraction, seed=3)
+        assert len(tr) + len(ev) == len(d["prompt_key"]) and len(ev) and len(tr)
+        assert not set(d["prompt_key"][tr]) & set(d["prompt_key"][ev])
+    held = d["prompt_key"][d["folder"] == 0][:5]
+    tr, ev = train.split(d["prompt_key"], 0, 0, held)
+    assert set(d["prompt_key"][ev]) == set(held) and not set(d["prompt_key"][tr]) & set(held)
+
+
+def test_training_on_answers_and_text_with_held_out_answers(lm, data, tmp_path):
+    text = make_text(lm, tmp_path / "text", teacher_forced.from_prompts(lm, token_prompts(40, lm.cfg.vocab_size)))
+    held = make_data(lm, tmp_path / "held", count=6, seed=1)
+    recipe = train.Recipe(**{**RECIPE.__dict__, "steps": 40, "eval_every": 5, "patience": 2})
+    path, summary = train.train(lm, [data, text], tmp_path / "head", recipe, eval_dirs=[held], progress=False)
+    assert summary["held_out_sequences"] == 6 and summary["held_out_tokens"] == 6 * NEW
+    held_keys = set(distill.load(held)[1]["prompt_key"])
+    total = sum(len(distill.load(f)[1]["tokens"]) for f in (data, text))
+    keys = np.concatenate([distill.load(f)[1]["prompt_key"] for f in (data, text)])
+    assert summary["train_sequences"] == total - np.isin(keys, list(held_keys)).sum()
+    assert summary["best_step"] % 5 == 0 and summary["best_step"] <= summary["steps"] <= 40
+    if summary["steps"] < 40:  # stopped early: `patience` measurements after the best
+        assert summary["steps"] == summary["best_step"] + 2 * 5
+    again = train.evaluate_head(lm, path, [data, text, held], data_folders=2, batch_size=RECIPE.batch_size)
+    assert again["held_out_sequences"] == 6
+    assert abs(again["agreement"] - summary["agreement"]) < 1e-4  # the saved head is the best one
+
+
 @pytest.mark.parametrize("kind", heads.KINDS)
 def test_training_lowers_the_loss(lm, data, tmp_path, kind):
     losses = []
@@ -104,9 +188,10 @@ def test_saved_head_restores_bit_identically(lm, tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_resume_after_interrupt_continues_from_last_checkpoint(lm, data, tmp_path):
-    recipe = train.Recipe(**{**RECIPE.__dict__, "steps": 12, "save_every": 4})
-    ref_path, _ = train.train(lm, data, tmp_path / "ref", recipe, progress=False)
+@pytest.mark.parametrize("early_stopping", [{}, {"eval_every": 2, "patience": 3}])
+def test_resume_after_interrupt_continues_from_last_checkpoint(lm, data, tmp_path, early_stopping):
+    recipe = train.Recipe(**{**RECIPE.__dict__, "steps": 12, "save_every": 4, **early_stopping})
+    ref_path, ref_summary = train.train(lm, data, tmp_path / "ref", recipe, progress=False)
 
     def interrupt(step, metrics):
         if step == 6:
@@ -118,9 +203,11 @@ def test_resume_after_interrupt_continues_from_last_checkpoint(lm, data, tmp_pat
     assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [4, 6]  # every 4, and on interrupt
     assert not (tmp_path / "head").exists()
     steps = []
-    path, _ = train.train(lm, data, tmp_path / "head", recipe, progress=False,
-                          on_step=lambda step, m: steps.append(step))
-    assert steps == list(range(7, 13))  # went on from step 6
+    path, summary = train.train(lm, data, tmp_path / "head", recipe, progress=False,
+                                on_step=lambda step, m: steps.append(step))
+    assert steps == list(range(7, ref_summary["steps"] + 1))  # went on from step 6
+    assert {k: v for k, v in summary.items() if k != "wall_seconds"} == \
+        {k: v for k, v in ref_summary.items() if k != "wall_seconds"}
     resumed, _ = heads.load(path, lm.cfg)
     reference, _ = heads.load(ref_path, lm.cfg)
     for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(reference)):
@@ -153,6 +240,8 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     bench.write_text('{"prompt": "x"}\n')
     for argv, message in [
         (["distill-data", "--prompts", str(bench), "--out", str(tmp_path / "d")], "evaluation set"),
+        (["distill-data", "--prompts", "all", "spec_bench", "--out", str(tmp_path / "d")], "evaluation set"),
+        (["distill-data", "--answers", str(tmp_path), "--out", str(tmp_path / "d")], "--answers goes with --source text"),
         (["train-head", "--kind", "eesd", "--exit-layer", "4", "--data", str(tmp_path / "none"),
           "--out", str(tmp_path / "h"), "--model", "/no/such/model"], "holds no distillation data"),
         (["train-head", "--kind", "medusa", "--exit-layer", "4", "--data", "d", "--out", "h"], "invalid choice"),

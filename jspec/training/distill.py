@@ -11,6 +11,10 @@ OUT/meta.json          what was asked for (a rerun must ask for the same to resu
 OUT/shard-00000.npz    tokens [N, P+A] (prompt then answer, zero padded), prompt_lens [N],
                        answer_lens [N], top_ids [N, A, k] int32, top_logp [N, A, k] float32
 
+The teacher-forced kind (jspec.training.teacher_forced: one forward over existing text) writes
+the same arrays, prompt_lens being the first target position, plus prompt_key; `load` gives both
+kinds alike, with `prompt_key` (which prompt a row came from, for splitting by prompt).
+
 Shards are written whole (temporary name, then rename); a rerun skips the shards that exist,
 so an interrupted run resumes losing at most one shard.
 """
@@ -18,6 +22,7 @@ so an interrupted run resumes losing at most one shard.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import random
@@ -45,11 +50,11 @@ def make(lm, prompts: list[dict], out: str | os.PathLike, *, count: int = 512, m
     meta = {"format": FORMAT, "model": lm.name, "count": count, "max_prompt_tokens": max_prompt_tokens,
             "max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
             "shard_size": shard_size, "seed": seed}
-    _check_or_write_meta(out, meta)
+    check_or_write_meta(out, meta)
     chosen = _choose(lm, prompts, count, max_prompt_tokens, seed)
     shards = [chosen[i:i + shard_size] for i in range(0, len(chosen), shard_size)]
-    todo = [i for i in range(len(shards)) if not _shard_path(out, i).exists()]
-    teacher = functools.partial(_teacher_top_k, cfg=lm.cfg, answer=max_new_tokens, k=top_k)
+    todo = [i for i in range(len(shards)) if not shard_path(out, i).exists()]
+    teacher = functools.partial(teacher_top_k, cfg=lm.cfg, answer=max_new_tokens, k=top_k)
     teacher = jax.jit(teacher)
     with tqdm(total=len(chosen), initial=len(chosen) - sum(len(shards[i]) for i in todo), unit="prompt",
               disable=not progress, dynamic_ncols=True) as bar:
@@ -60,7 +65,7 @@ def make(lm, prompts: list[dict], out: str | os.PathLike, *, count: int = 512, m
     return out
 
 
-def _check_or_write_meta(out: Path, meta: dict) -> None:
+def check_or_write_meta(out: Path, meta: dict) -> None:
     path = out / "meta.json"
     if path.exists():
         old = json.loads(path.read_text())
@@ -89,7 +94,7 @@ def _choose(lm, prompts, count, max_prompt_tokens, seed):
     return chosen
 
 
-def _shard_path(out: Path, i: int) -> Path:
+def shard_path(out: Path, i: int) -> Path:
     return out / f"shard-{i:05d}.npz"
 
 
@@ -113,10 +118,14 @@ def _write_shard(lm, requests, out, index, teacher, max_prompt, max_new, tempera
         i, lp = jax.device_get(teacher(lm.params, jnp.asarray(t), jnp.asarray(p)))
         ids.append(i[:len(tokens[rows])])
         logp.append(lp[:len(tokens[rows])])
-    path = _shard_path(out, index)
+    write_npz(shard_path(out, index), tokens=tokens, prompt_lens=prompt_lens, answer_lens=answer_lens,
+              top_ids=np.concatenate(ids), top_logp=np.concatenate(logp))
+
+
+def write_npz(path: Path, **arrays) -> None:
+    """A whole shard or nothing: written under a temporary name, then renamed."""
     tmp = path.with_name(path.stem + ".tmp.npz")
-    np.savez(tmp, tokens=tokens, prompt_lens=prompt_lens, answer_lens=answer_lens,
-             top_ids=np.concatenate(ids), top_logp=np.concatenate(logp))
+    np.savez(tmp, **arrays)
     tmp.rename(path)
 
 
@@ -125,7 +134,7 @@ def pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
     return np.concatenate([x, np.repeat(x[:1], rows - len(x), axis=0)]) if len(x) < rows else x
 
 
-def _teacher_top_k(params, tokens, prompt_lens, *, cfg, answer: int, k: int):
+def teacher_top_k(params, tokens, prompt_lens, *, cfg, answer: int, k: int):
     """Top-k log-probs of the target's next-token distribution at each answer position [B, A, k]."""
     b, length = tokens.shape
     h, _ = M.forward(params, cfg, tokens, None, M.KVCache.zeros(cfg, b, length))
@@ -137,7 +146,7 @@ def _teacher_top_k(params, tokens, prompt_lens, *, cfg, answer: int, k: int):
 
 
 def load(path: str | os.PathLike) -> tuple[dict, dict]:
-    """(meta, arrays concatenated over all shards) of a distillation folder."""
+    """(meta, arrays concatenated over all shards, with prompt_key [N]) of a distillation folder."""
     path = Path(path)
     if not (path / "meta.json").is_file():
         raise JspecError(f"{path} holds no distillation data (no meta.json); run jspec distill-data first")
@@ -146,4 +155,13 @@ def load(path: str | os.PathLike) -> tuple[dict, dict]:
     if not files:
         raise JspecError(f"{path} has no shards yet; run jspec distill-data first")
     parts = [dict(np.load(f)) for f in files]
-    return meta, {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+    data = {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+    if "prompt_key" not in data:  # the generating path's rows start with their prompt
+        data["prompt_key"] = np.array([prompt_key(row[:p]) for row, p in zip(data["tokens"], data["prompt_lens"])],
+                                      np.uint64)
+    return meta, data
+
+
+def prompt_key(token_ids) -> int:
+    """A stable 64-bit name of a prompt (its token ids), the same in every kind of data."""
+    return int.from_bytes(hashlib.blake2b(np.asarray(token_ids, np.int32).tobytes(), digest_size=8).digest(), "little")

@@ -7,12 +7,20 @@ teacher's constant entropy), renormalised over the draft vocabulary, plus option
 `ce_weight` x cross-entropy on the answer tokens. Only answer positions count: that is where a
 head drafts.
 
-Optimiser: AdamW with linear warmup, cosine decay to a tenth and global-norm clipping (optax).
-Held-out sequences (`eval_fraction`, chosen by seed) give top-1 agreement with the target and
-the expected acceptance sum_x min(p(x), q(x)) of one drafted token.
+Data: one or more distill-data folders (the model's answers, teacher-forced text), padded to
+a common length. The held-out split is by prompt, never by token or row: the rows of `eval_data`
+folders when given (and no training row of the same prompts), else the prompts whose seeded hash
+falls in `eval_fraction`. Held-out rows give top-1 agreement with the target and the expected
+acceptance sum_x min(p(x), q(x)) of one drafted token.
 
-Checkpoints (orbax, one folder per step, the latest KEEP kept) go to OUT.train/ every
-`save_every` steps and when interrupted; rerunning the same command resumes from the latest one.
+Optimiser: AdamW with linear warmup, cosine decay to a tenth and global-norm clipping (optax).
+With `eval_every`, the held-out agreement is measured every so many steps; the best parameters
+are kept and training stops after `patience` measurements without a gain (early stopping). The
+saved head is the best one.
+
+Checkpoints (orbax, one folder per step, the latest KEEP kept: parameters, optimiser state and
+the early-stopping state) go to OUT.train/ every `save_every` steps and when interrupted;
+rerunning the same command resumes from the latest one.
 The batch of step s depends only on s and the seed, so a resumed run computes what an
 uninterrupted one would.
 """
@@ -48,23 +56,29 @@ class Recipe:
     lr: float = 1e-3
     warmup: int = 30
     weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.999
     clip: float = 1.0
     ce_weight: float = 0.0
     draft_vocab: int = 8192
     eval_fraction: float = 0.05
     save_every: int = 100
+    eval_every: int = 0  # 0: measure held-out agreement only at the end (no early stopping)
+    patience: int = 5
     seed: int = 0
 
     def check(self) -> None:
         if self.kind not in heads.KINDS:
             raise JspecError(f"unknown head kind {self.kind!r}; choose one of {', '.join(heads.KINDS)}")
-        for name in ("steps", "batch_size", "save_every"):
+        for name in ("steps", "batch_size", "save_every", "patience"):
             if getattr(self, name) < 1:
                 raise JspecError(f"--{name.replace('_', '-')} must be >= 1")
         if not 0 < self.eval_fraction < 1:
             raise JspecError("--eval-fraction must be between 0 and 1")
-        if self.lr <= 0 or self.clip <= 0 or self.warmup < 0 or self.draft_vocab < 0 or self.ce_weight < 0:
-            raise JspecError("--lr and --clip must be > 0; --warmup, --draft-vocab and --ce-weight >= 0")
+        if self.lr <= 0 or self.clip <= 0 or min(self.warmup, self.draft_vocab, self.ce_weight, self.eval_every) < 0:
+            raise JspecError("--lr and --clip must be > 0; --warmup, --draft-vocab, --ce-weight and --eval-every >= 0")
+        if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1):
+            raise JspecError("--b1 and --b2 must be in [0, 1)")
 
 
 def draft_vocabulary(tokens, prompt_lens, answer_lens, vocab_size: int, size: int) -> np.ndarray:
@@ -86,6 +100,66 @@ def _prepare(data: dict, vocab: np.ndarray, vocab_size: int) -> dict:
     return {"prompt_lens": data["prompt_lens"], "answer_lens": data["answer_lens"],
             "top_sub": index[data["top_ids"]], "top_logp": data["top_logp"],
             "gen_sub": index[np.take_along_axis(data["tokens"], at, axis=1)]}
+
+
+def load_data(folders) -> tuple[list[dict], dict]:
+    """(each folder's meta, its arrays concatenated) with tokens and the per-position arrays padded
+    to the longest folder's, and `folder` [N]: which folder each row came from."""
+    metas, parts = zip(*(distill.load(f) for f in folders))
+    length = max(p["tokens"].shape[1] for p in parts)
+    answer = max(p["top_ids"].shape[1] for p in parts)
+    k = {p["top_ids"].shape[2] for p in parts}
+    if len(k) > 1:
+        raise JspecError(f"the data folders keep different top-k ({sorted(k)}); make them with one --top-k")
+
+    def pad(x, width):
+        return np.pad(x, [(0, 0), (0, width - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+
+    data = {"tokens": np.concatenate([pad(p["tokens"], length) for p in parts]),
+            "top_ids": np.concatenate([pad(p["top_ids"], answer) for p in parts]),
+            "top_logp": np.concatenate([pad(p["top_logp"], answer) for p in parts]),
+            **{k: np.concatenate([p[k] for p in parts]) for k in ("prompt_lens", "answer_lens", "prompt_key")},
+            "folder": np.concatenate([np.full(len(p["tokens"]), i, np.int32) for i, p in enumerate(parts)])}
+    return list(metas), data
+
+
+def split(keys: np.ndarray, fraction: float, seed: int, held_keys: np.ndarray | None = None):
+    """(training rows, held-out rows) of rows named by their prompt keys [N]: every row of a prompt
+    on one side. Held out: the prompts of `held_keys` when given, else a seeded `fraction` of them."""
+    if held_keys is None:
+        salted = np.array([distill.prompt_key(np.array([seed, k >> 32, k & 0xFFFFFFFF], np.int64).view(np.int32))
+                           for k in keys.tolist()], np.uint64)
+        held = salted < np.uint64(fraction * 2.0 ** 64)
+    else:
+        held = np.isin(keys, held_keys)
+    return np.flatnonzero(~held), np.flatnonzero(held)
+
+
+def held_out(data: dict, data_folders: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(training rows, held-out rows) of `load_data`'s arrays whose first `data_folders` folders are
+    training data and the rest held-out data (then the training rows of their prompts go to
+    neither side), or, without held-out folders, split by `split`."""
+    if data_folders == data["folder"].max() + 1:
+        return split(data["prompt_key"], fraction, seed)
+    is_eval = data["folder"] >= data_folders
+    train_rows, held = split(data["prompt_key"], 0, 0, data["prompt_key"][is_eval])
+    return train_rows, held[is_eval[held]]
+
+
+def evaluate_head(lm, head: str | Path, folders: list, data_folders: int, fraction: float = 0.05, seed: int = 0,
+                  batch_size: int = 8) -> dict:
+    """Held-out metrics of a saved head on the rows `held_out` picks (the same as `train` with
+    these folders, fraction and seed)."""
+    hp, meta = heads.load(head, lm.cfg)
+    _, data = load_data(folders)
+    _, rows = held_out(data, data_folders, fraction, seed)
+    data = {k: v[rows] for k, v in data.items()}  # the frozen layers run on the held-out rows only
+    arrays = _prepare(data, np.asarray(hp["vocab"]), lm.cfg.vocab_size)
+    arrays["hidden"] = exit_states(lm.params, lm.cfg, meta["exit_layer"], data["tokens"], 2 * batch_size)
+    frozen = {"vocab": hp["vocab"], "lm_head": heads.draft_params(lm.params, hp)["lm_head"].astype(jnp.float32)}
+    evaluate = jax.jit(lambda tr, batch: _losses(_forward(tr, frozen, lm.cfg, batch), batch, 0.0)[1])
+    return {**_evaluate(evaluate, {"layer": hp["layer"], "norm": hp["norm"]}, arrays, np.arange(len(rows)), batch_size),
+            "held_out_sequences": len(rows), "held_out_tokens": int(data["answer_lens"].sum())}
 
 
 def exit_states(params, cfg, exit_layer: int, tokens: np.ndarray, batch_size: int) -> np.ndarray:
@@ -137,11 +211,13 @@ def _losses(logq, batch, ce_weight: float):
                            "positions": valid.sum()}
 
 
-def train(lm, data_dir, out, recipe: Recipe, progress: bool = True, on_step=None) -> tuple[Path, dict]:
-    """Train a head on `lm` (jspec.api.Model) from a distill-data folder; save it to `out`.
+def train(lm, data_dirs, out, recipe: Recipe, eval_dirs=(), progress: bool = True,
+          on_step=None) -> tuple[Path, dict]:
+    """Train a head on `lm` (jspec.api.Model) from distill-data folders; save it to `out`.
 
-    `on_step(step, metrics)` runs after each step (tests interrupt training through it).
-    Returns (the head folder, the summary written into its head.json).
+    `data_dirs`: a folder or a list of them; `eval_dirs`: held-out folders (else a split of the
+    data by prompt). `on_step(step, metrics)` runs after each step (tests interrupt training
+    through it). Returns (the head folder, the summary written into its head.json).
     """
     from tqdm import tqdm
 
@@ -149,16 +225,16 @@ def train(lm, data_dir, out, recipe: Recipe, progress: bool = True, on_step=None
     cfg, params = lm.cfg, lm.params
     if not 1 <= recipe.exit_layer < cfg.num_layers:
         raise JspecError(f"--exit-layer must be between 1 and {cfg.num_layers - 1}, got {recipe.exit_layer}")
-    data_meta, data = distill.load(data_dir)
+    data_dirs = [data_dirs] if isinstance(data_dirs, (str, Path)) else list(data_dirs)
+    folders = [str(Path(f).absolute()) for f in [*data_dirs, *eval_dirs]]
+    data_metas, data = load_data(folders)
     if data["top_ids"].max() >= cfg.vocab_size:
-        raise JspecError(f"{data_dir} was made with another model's vocabulary")
+        raise JspecError("the data was made with another model's vocabulary")
     n = len(data["tokens"])
-    order = np.random.default_rng(recipe.seed).permutation(n)
-    n_eval = max(1, round(n * recipe.eval_fraction))
-    if n - n_eval < recipe.batch_size:
-        raise JspecError(f"{data_dir} has {n} sequences: too few for a batch of {recipe.batch_size} "
-                         f"plus {n_eval} held out")
-    eval_rows, train_rows = np.sort(order[:n_eval]), order[n_eval:]
+    train_rows, eval_rows = held_out(data, len(data_dirs), recipe.eval_fraction, recipe.seed)
+    if len(train_rows) < recipe.batch_size or not len(eval_rows):
+        raise JspecError(f"the data has {len(train_rows)} training and {len(eval_rows)} held-out sequences: "
+                         f"too few for a batch of {recipe.batch_size} and a held-out set")
     vocab = draft_vocabulary(data["tokens"][train_rows], data["prompt_lens"][train_rows],
                              data["answer_lens"][train_rows], cfg.vocab_size, recipe.draft_vocab)
     arrays = _prepare(data, vocab, cfg.vocab_size)
@@ -170,7 +246,7 @@ def train(lm, data_dir, out, recipe: Recipe, progress: bool = True, on_step=None
     schedule = optax.warmup_cosine_decay_schedule(0.0, recipe.lr, recipe.warmup, max(recipe.steps, recipe.warmup + 1),
                                                   end_value=recipe.lr / 10)
     opt = optax.chain(optax.clip_by_global_norm(recipe.clip),
-                      optax.adamw(schedule, weight_decay=recipe.weight_decay))
+                      optax.adamw(schedule, b1=recipe.b1, b2=recipe.b2, weight_decay=recipe.weight_decay))
 
     def loss_fn(tr, batch):
         return _losses(_forward(tr, frozen, cfg, batch), batch, recipe.ce_weight)
@@ -184,13 +260,18 @@ def train(lm, data_dir, out, recipe: Recipe, progress: bool = True, on_step=None
     evaluate = jax.jit(lambda tr, batch: loss_fn(tr, batch)[1])
 
     ckpt_dir = Path(str(Path(out).absolute()) + ".train")
-    state = {"params": trainable, "opt_state": opt.init(trainable)}
+    # best_*: early stopping's state, checkpointed with the rest so that a resumed run stops where
+    # an uninterrupted one would.
+    state = {"params": trainable, "opt_state": opt.init(trainable), "best_params": trainable,
+             "best_agreement": jnp.float32(-1), "best_step": jnp.int32(0), "stale": jnp.int32(0),
+             "measured_step": jnp.int32(0)}
     info_path = ckpt_dir / "recipe.json"
-    info = {"recipe": dataclasses.asdict(recipe), "data": str(Path(data_dir).absolute()), "sequences": n}
+    info = {"recipe": dataclasses.asdict(recipe), "data": folders[:len(data_dirs)], "eval_data": folders[len(data_dirs):],
+            "sequences": n}
     start, wall = 0, 0.0
     if saved_steps(ckpt_dir):
         saved = json.loads(info_path.read_text()) if info_path.exists() else {}
-        if saved.get("recipe") != info["recipe"] or saved.get("data") != info["data"]:
+        if any(saved.get(k) != info[k] for k in ("recipe", "data", "eval_data")):
             raise JspecError(f"{ckpt_dir} holds a run with other settings; remove it or use another --out")
         start = saved_steps(ckpt_dir)[-1]
         # Onto the devices of the fresh state (the model's), whatever the checkpoint was saved from.
@@ -212,33 +293,56 @@ def train(lm, data_dir, out, recipe: Recipe, progress: bool = True, on_step=None
         rows = perm[i * recipe.batch_size:(i + 1) * recipe.batch_size]
         return {k: jnp.asarray(v[rows]) for k, v in arrays.items()}
 
+    def measure(step: int) -> None:
+        if not recipe.eval_every or int(state["measured_step"]) == step:
+            return
+        agreement = _evaluate(evaluate, state["params"], arrays, eval_rows, recipe.batch_size)["agreement"]
+        if agreement > float(state["best_agreement"]):
+            state.update(best_params=state["params"], best_agreement=jnp.float32(agreement),
+                         best_step=jnp.int32(step), stale=jnp.int32(0))
+        else:
+            state["stale"] = state["stale"] + 1
+        state["measured_step"] = jnp.int32(step)
+
+    stopped = lambda: recipe.eval_every and int(state["stale"]) >= recipe.patience
     t0, step = time.perf_counter(), start
+    if start and start % max(recipe.eval_every, 1) == 0:
+        measure(start)  # an interrupt may have come between the step and its measurement
     try:
         with tqdm(total=recipe.steps, initial=start, unit="step", disable=not progress, dynamic_ncols=True) as bar:
-            while step < recipe.steps:
+            while step < recipe.steps and not stopped():
                 state["params"], state["opt_state"], metrics = step_fn(state["params"], state["opt_state"],
                                                                        batch_at(step))
                 step += 1
                 if on_step is not None:
                     on_step(step, metrics)
-                if step % 10 == 0 or step == recipe.steps:
+                if recipe.eval_every and step % recipe.eval_every == 0:
+                    measure(step)
+                    bar.set_postfix(held_out=f"{float(state['best_agreement']):.3f}@{int(state['best_step'])}")
+                elif step % 10 == 0:
                     bar.set_postfix(loss=f"{float(metrics['loss']):.3f}", agree=f"{float(metrics['agreement']):.3f}")
                 bar.update(1)
-                if step % recipe.save_every == 0 or step == recipe.steps:
+                if step % recipe.save_every == 0 or step == recipe.steps or stopped():
                     save(step, wall + time.perf_counter() - t0)
+        if not stopped():
+            measure(step)
     except KeyboardInterrupt:
         if step > max(saved_steps(ckpt_dir), default=0):
             save(step, wall + time.perf_counter() - t0)
         raise
     wall += time.perf_counter() - t0
 
-    held_out = _evaluate(evaluate, state["params"], arrays, eval_rows, recipe.batch_size)
-    summary = {"steps": recipe.steps, "wall_seconds": round(wall, 1), "train_sequences": len(train_rows),
-               "held_out_sequences": len(eval_rows), **{k: round(v, 4) for k, v in held_out.items()},
-               "recipe": dataclasses.asdict(recipe), "data": {"path": str(data_dir), **data_meta}}
+    final = state["best_params"] if recipe.eval_every else state["params"]
+    final_metrics = _evaluate(evaluate, final, arrays, eval_rows, recipe.batch_size)
+    summary = {"steps": step, "best_step": int(state["best_step"]) if recipe.eval_every else step,
+               "wall_seconds": round(wall, 1), "train_sequences": len(train_rows),
+               "train_tokens": int(data["answer_lens"][train_rows].sum()), "held_out_sequences": len(eval_rows),
+               "held_out_tokens": int(data["answer_lens"][eval_rows].sum()),
+               **{k: round(v, 4) for k, v in final_metrics.items()}, "recipe": dataclasses.asdict(recipe),
+               "data": [{"path": f, **m} for f, m in zip(folders, data_metas)]}
     meta = {"kind": recipe.kind, "exit_layer": recipe.exit_layer, "model": heads.fingerprint(cfg),
             "model_name": lm.name, "draft_vocab": int(len(vocab)), "training": summary}
-    path = heads.save(out, {**state["params"], "vocab": hp["vocab"]}, meta)
+    path = heads.save(out, {**final, "vocab": hp["vocab"]}, meta)
     return path, summary
 
 

@@ -232,7 +232,7 @@ def test_cli_warns_that_mjsd_is_lossy(capsys, tmp_path):
     code = main(["generate", "hi", "--model", str(tmp_path / "missing"), "--method", "mjsd", "--beam-width", "2"])
     err = capsys.readouterr().err.splitlines()
     assert code != 0
-    assert err[0] == "jspec: warning: --method mjsd is lossy: its output differs from --method ar's"
+    assert err[0] == "jspec: warning: --method mjsd is lossy: its output differs from ar's (docs/methods.md measures the cost)"
     assert len(err) == 2 and err[1].startswith("jspec: error:")
 
 

@@ -187,8 +187,11 @@ class Model:
         out, stats = jax.device_get((out, stats))
         seconds = time.perf_counter() - t0
         self._caches[(rows, s)] = cache
-        return [self._record(r, out[i, :stats["new_tokens"][i]], {k: int(v[i]) for k, v in stats.items()}, seconds)
-                for i, r in enumerate(batch)]
+        records = [self._record(r, out[i, :stats["new_tokens"][i]], {k: int(v[i]) for k, v in stats.items()}, seconds)
+                   for i, r in enumerate(batch)]
+        for i, record in enumerate(records):
+            record["stats"].update(drafter.record_stats({k: int(v[i]) for k, v in stats.items()}))
+        return records
 
     def _place(self, tokens, prompt_lens, eos):
         if self.mesh is None:

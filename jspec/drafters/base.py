@@ -53,6 +53,14 @@ class Drafter:
     def verify(self, params, dparams, cfg, tokens, positions, cache, dstate):
         return model.forward(params, cfg, tokens, positions, cache)
 
+    def stats(self, dstate) -> dict:
+        """The drafter's own per-row counters [B] for the loop's stats, read from its final state."""
+        return {}
+
+    def record_stats(self, stats: dict) -> dict:
+        """What a record's `stats` adds from one row's counters (ints), e.g. names for indices."""
+        return {}
+
 
 def draft_loop(step, carry, s, controller, sampling: Sampling, key, max_draft: int):
     """Draft up to max_draft tokens one at a time, while any live row's controller says go on.

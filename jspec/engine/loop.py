@@ -104,5 +104,6 @@ def generate(params, dparams, cache: model.KVCache, tokens, prompt_lens, eos_ids
     idx = prompt_lens[:, None] + jnp.arange(max_new_tokens)[None, :]
     out = jnp.take_along_axis(s.seq, jnp.minimum(idx, cache.length - 1), axis=1)
     out = jnp.where(jnp.arange(max_new_tokens)[None, :] < s.n[:, None], out, -1)
-    stats = {"new_tokens": s.n, "rounds": s.rounds, "drafted": s.drafted, "accepted": s.accepted}
+    stats = {"new_tokens": s.n, "rounds": s.rounds, "drafted": s.drafted, "accepted": s.accepted,
+             **drafter.stats(s.dstate)}
     return out, stats, s.cache

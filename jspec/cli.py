@@ -99,6 +99,10 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     d.add_argument("--head", default=None, metavar="PATH",
                    help="eesd, kangaroo: a head from jspec train-head (default: the one shipped for the "
                         "default model)")
+    d.add_argument("--knn", default=None, metavar="PATH",
+                   help="knn-ssd: a folder from jspec fit-knn (default: the one shipped for the default model)")
+    d.add_argument("--domain", default=None, metavar="NAME",
+                   help="knn-ssd: run this domain's skip set on every prompt instead of choosing by anchor")
 
 
 def check_generation_args(args: argparse.Namespace) -> None:
@@ -134,7 +138,7 @@ def generation_options(args: argparse.Namespace) -> dict:
     method = {"max_draft": args.max_draft, "controller": args.controller, "threshold": args.threshold,
               "thompson_variant": args.thompson_variant, "draft_cost": args.draft_cost,
               "exit_layer": args.exit_layer, "skip_layers": skip, "draft_model": args.draft_model,
-              "head": args.head}
+              "head": args.head, "knn": args.knn, "domain": args.domain}
     return dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, temperature=args.temperature,
                 top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                 **{k: v for k, v in method.items() if v is not None})

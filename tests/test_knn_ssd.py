@@ -31,14 +31,21 @@ SETS = [knn.SkipSet("both-1-2", (1, 2), (1, 2)),  # = layer-skip of layers 1 and
 CHOICE = [0, 1, 2, 1]  # the domain each test prompt's own anchor maps to
 
 
+def hidden(m: Model, prompts) -> tuple[jax.Array, jax.Array]:
+    """The prefill's last hidden states [N, 32, D] of prompts right-padded to 32 tokens, and their lengths."""
+    tokens = np.zeros((len(prompts), 32), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p["token_ids"])] = p["token_ids"]
+    return _prefill(m.params, jnp.asarray(tokens), cfg=m.cfg), jnp.asarray([len(p["token_ids"]) for p in prompts])
+
+
+_prefill = jax.jit(lambda params, t, cfg: jmodel.forward(params, cfg, t, None, jmodel.KVCache.zeros(cfg, *t.shape))[0],
+                   static_argnames="cfg")
+
+
 def features(m: Model, prompts) -> np.ndarray:
-    """Each prompt's feature, one prompt at a time: [N, D]."""
-    out = []
-    for p in prompts:
-        t = jnp.asarray([p["token_ids"]], jnp.int32)
-        h, _ = jmodel.forward(m.params, m.cfg, t, None, jmodel.KVCache.zeros(m.cfg, 1, t.shape[1]))
-        out.append(np.asarray(prompt_feature(m.params, m.cfg, h, jnp.asarray([t.shape[1]]))[0]))
-    return np.stack(out)
+    """The prompts' features [N, D]."""
+    return np.asarray(prompt_feature(m.params, m.cfg, *hidden(m, prompts)))
 
 
 @dataclasses.dataclass
@@ -67,28 +74,30 @@ def test_mask_equals_static_layer_skip(setup):
     cfg, params = m.cfg, m.params
     tokens = jnp.asarray([p["token_ids"][:3] for p in setup.prompts[:3]], jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(3, dtype=jnp.int32) + 5, (3, 3))
-    cache = jmodel.KVCache.zeros(cfg, 3, 16)
-    full, filled = jmodel.forward(params, cfg, jnp.zeros((3, 5), jnp.int32), None, cache)
+    _, filled = jax.jit(lambda p, t: jmodel.forward(p, cfg, t, None, jmodel.KVCache.zeros(cfg, 3, 16)))(
+        params, jnp.asarray(np.arange(15).reshape(3, 5) % cfg.vocab_size, jnp.int32))
     masks = np.stack([SETS[0].mask(4), SETS[0].mask(4), np.zeros((2, 4), bool)])
-    h, out = jmodel.run_masked_layers(params, cfg, jmodel.embed(params, tokens), pos, filled, jnp.asarray(masks))
+    masked = jax.jit(lambda p, t, pos, c, m: jmodel.run_masked_layers(p, cfg, jmodel.embed(p, t), pos, c, m))
+    h, out = masked(params, tokens, pos, filled, jnp.asarray(masks))
     kept = [0, 3]
-    want, want_cache = jmodel.run_layers(params, cfg, jmodel.embed(params, tokens), pos, filled, kept)
-    want_all, _ = jmodel.forward(params, cfg, tokens, pos, filled)
+    want, want_cache = jax.jit(lambda p, t, pos, c: jmodel.run_layers(p, cfg, jmodel.embed(p, t), pos, c, kept))(
+        params, tokens, pos, filled)
+    want_all = jax.jit(lambda p, t, pos, c: jmodel.forward(p, cfg, t, pos, c)[0])(params, tokens, pos, filled)
     np.testing.assert_allclose(h[:2], want[:2], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(h[2], want_all[2], rtol=1e-5, atol=1e-5)
     for i in kept:
         np.testing.assert_allclose(out.k[i][:2], want_cache.k[i][:2], rtol=1e-5, atol=1e-5)
     # batch 1: a skipped attention writes nothing
-    h1, out1 = jmodel.run_masked_layers(params, cfg, jmodel.embed(params, tokens[:1]), pos[:1],
-                                        jax.tree.map(lambda x: x[:1], filled), jnp.asarray(masks[:1]))
+    h1, out1 = masked(params, tokens[:1], pos[:1], jax.tree.map(lambda x: x[:1], filled), jnp.asarray(masks[:1]))
     np.testing.assert_allclose(h1[0], want[0], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(out1.k[1], filled.k[1][:1])
 
 
 def test_forced_set_equals_layer_skip(setup):
     """The set skipping both sublayers of layers 1 and 2 decodes as layer-skip (1, 2) does."""
-    opts = dict(max_new_tokens=NEW, max_draft=4, controller="confidence", threshold=0.8)
-    ls = setup.target.generate(setup.prompts, method="layer-skip", skip_layers=(1, 2), **opts)
+    opts = dict(max_new_tokens=NEW, batch_size=4)  # knn-ssd's program is test_greedy_equals_ar's at batch 4
+    ls = setup.target.generate(setup.prompts, method="layer-skip", skip_layers=(1, 2), max_draft=methods.KNN_MAX_DRAFT,
+                               controller="confidence", threshold=methods.KNN_THRESHOLD, **opts)
     forced = setup.target.generate(setup.prompts, method="knn-ssd", knn=setup.folder, domain="both-1-2", **opts)
     assert ids(ls) == ids(forced) == setup.ar
     assert [r["stats"]["drafted"] for r in ls] == [r["stats"]["drafted"] for r in forced]
@@ -117,15 +126,12 @@ def test_nearest_anchor_matches_numpy(setup):
     # The prompts' features, by NumPy from the model's hidden states, against random anchors.
     m = setup.target
     anchors = rng.normal(size=(6, m.cfg.hidden_size)).astype(np.float32)
-    for p in setup.prompts:
-        t = jnp.asarray([p["token_ids"]], jnp.int32)
-        h, _ = jmodel.forward(m.params, m.cfg, t, None, jmodel.KVCache.zeros(m.cfg, 1, t.shape[1]))
-        h = np.asarray(h[0], np.float64)
-        normed = h / np.sqrt(np.mean(h * h, -1, keepdims=True) + m.cfg.rms_norm_eps) * np.asarray(m.params["final_norm"])
-        want = np.argmax(unit(anchors) @ unit(normed.mean(0)))
-        got = nearest_anchor(prompt_feature(m.params, m.cfg, jnp.asarray(h[None], jnp.float32),
-                                            jnp.asarray([len(h)])), jnp.asarray(unit(anchors)))
-        assert int(got[0]) == want
+    h, lens = hidden(m, setup.prompts)
+    got = nearest_anchor(prompt_feature(m.params, m.cfg, h, lens), jnp.asarray(unit(anchors)))
+    for i, n in enumerate(np.asarray(lens)):
+        x = np.asarray(h[i, :n], np.float64)
+        normed = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + m.cfg.rms_norm_eps) * np.asarray(m.params["final_norm"])
+        assert int(got[i]) == np.argmax(unit(anchors) @ unit(normed.mean(0)))
 
 
 def test_anchors_of_another_model_refused(setup, tmp_path):
@@ -140,6 +146,7 @@ def test_anchors_of_another_model_refused(setup, tmp_path):
         setup.target.generate(setup.prompts[:1], method="knn-ssd", knn=setup.folder, domain="nope")
 
 
+@pytest.mark.slow
 def test_sampling_matches_target_distribution(tmp_path_factory):
     _, cfg, params = convert_tiny(tmp_path_factory, "knn-small", seed=5, vocab_size=SV, num_hidden_layers=3)
     target = Model(dataclasses.replace(cfg, eos_token_ids=()), params, name="small")

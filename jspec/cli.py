@@ -1,4 +1,5 @@
-"""The `jspec` command line: generate, compare, convert, bench, distill-data, train-head, env.
+"""The `jspec` command line: generate, compare, convert, bench, distill-data, train-head, search-skip,
+fit-knn, env.
 
     jspec generate "Name three primes."                       # the answer on stdout, speed on stderr
     jspec generate --prompts in.jsonl --output out.jsonl     # one record per prompt, resumable
@@ -535,6 +536,13 @@ def _add_bench(sub, wanted: bool) -> None:
     p.set_defaults(func=bench.main)
 
 
+def _add_module_command(sub, name: str, module: str, help: str, description: str) -> None:
+    """A command whose arguments and body live in `module` (add_arguments(parser), main(args))."""
+    p = sub.add_parser(name, help=help, description=description)
+    p.set_defaults(func=lambda args: importlib.import_module(module).main(args))
+    importlib.import_module(module).add_arguments(p)
+
+
 def _fail(message: str) -> int:
     raise JspecError(message)
 
@@ -553,6 +561,12 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     _add_distill(sub)
     _add_train_head(sub)
     _add_env(sub)
+    _add_module_command(sub, "search-skip", "jspec.skip_search", "search a domain's sublayer skip set (knn-ssd)",
+                        "Bayesian optimisation (Optuna) of which attention and MLP sublayers a layer-skip draft "
+                        "leaves out, by measured tokens/s on a few of the domain's prompts; resumable.")
+    _add_module_command(sub, "fit-knn", "jspec.knn_fit", "fit knn-ssd anchors and gather the skip sets",
+                        "Compute prompt features of each domain's prompts, keep k-means centres as anchors and "
+                        "write them with the searched skip sets into one folder for --method knn-ssd.")
     _add_bench(sub, wanted=bool(argv) and argv[0] == "bench")
     return parser
 

@@ -51,9 +51,12 @@ def to_params(s: knn.SkipSet, num_layers: int) -> dict:
 def domain_prompts(source, category: str | None = None) -> list[dict]:
     """{"id", "prompt"} of a prompts file or shipped set, those of `category` only when given."""
     rows = []
-    for line in prompt_sets.read_text(prompt_sets.resolve(source)).splitlines():
+    for n, line in enumerate(prompt_sets.read_text(prompt_sets.resolve(source)).split("\n"), 1):
         if line.strip():
-            obj = json.loads(line)
+            try:  # split on newlines only: prompts may hold other line separators (U+2028)
+                obj = json.loads(line)
+            except ValueError as e:
+                raise JspecError(f"{source}, line {n}: not JSON ({e})") from None
             if category is None or obj.get("category") == category:
                 rows.append({"id": obj.get("id", len(rows)), "prompt": obj.get("prompt") or obj.get("messages")})
     if not rows:

@@ -3,10 +3,12 @@
     jspec search-skip --prompts domains/qa --out sets/qa.json --trials 40
     jspec search-skip --prompts train_prompts --category math --out sets/math.json
 
-Variables: 2L binary choices, skip layer i's attention / MLP sublayer. Objective: measured
-tokens/s of lossless greedy decoding with that set (the knn-ssd drafter with the one set, batch
-1, its defaults: up to 12 drafts, stop below 0.8 confidence) on a few of the domain's prompts,
-all of one prompt bucket so the whole search compiles one program (a set is data). The sampler
+Variables: 2L binary choices, skip layer i's attention / MLP sublayer. Each trial decodes a few
+of the domain's prompts greedily with that set (the knn-ssd drafter with the one set, batch 1,
+its defaults: up to 12 drafts, stop below 0.8 confidence), all of one prompt bucket so the whole
+search compiles one program (a set is data). Objective (`--objective`): `measured`, the
+tokens/s of those runs; or `modeled`, tokens per unit of a cost model (`modeled_speed`) fed the
+runs' own rounds and drafts, which a machine shared with other work cannot disturb. The sampler
 is Optuna's TPE (optional extra `knn`), warm-started with SWIFT's starting point (every other
 layer of the middle half) and, for the default model, the shipped layer-skip set.
 
@@ -86,10 +88,36 @@ def pick(model, prompts: list[dict], count: int, seed: int, max_tokens: int, one
     return by_bucket[bucket][:count]
 
 
+# A forward over R positions of the default model, in decode steps (docs/design.md, "Few rows":
+# the native kernel, medians of three runs on this 2-core CPU).
+FORWARD_COST = ((1, 1.0), (2, 1.25), (5, 1.40), (8, 1.76), (16, 2.85))
+
+
+def forward_cost(positions: int) -> float:
+    rows, cost = zip(*FORWARD_COST)
+    return float(np.interp(positions, rows, cost, right=cost[-1] * positions / rows[-1]))
+
+
+def draft_step_cost(cfg, s: knn.SkipSet) -> float:
+    """One draft step in decode steps: the share of the weights it reads (a decode step is memory
+    bound), the LM head included."""
+    attention = cfg.hidden_size * (cfg.num_kv_heads * (cfg.group_size + 2) + cfg.num_heads) * cfg.head_dim
+    mlp = 3 * cfg.hidden_size * cfg.intermediate_size
+    head = cfg.vocab_size * cfg.hidden_size
+    total = cfg.num_layers * (attention + mlp) + head
+    return (total - len(s.attention) * attention - len(s.mlp) * mlp) / total
+
+
+def modeled_speed(cfg, s: knn.SkipSet, max_draft: int, new: int, rounds: int, drafted: int) -> float:
+    """Tokens per decode step's time: the prefill round costs nothing extra over ar's, every other
+    round one verification of max_draft + 1 positions, every draft step its share of the weights."""
+    return new / (1 + (rounds - 1) * forward_cost(max_draft + 1) + drafted * draft_step_cost(cfg, s))
+
+
 class Measure:
     """tokens/s of greedy knn-ssd decoding with one skip set on fixed requests (batch 1)."""
 
-    def __init__(self, model, requests, max_new_tokens: int):
+    def __init__(self, model, requests, max_new_tokens: int, objective: str = "measured"):
         import jax
 
         from jspec import methods
@@ -97,7 +125,7 @@ class Measure:
         from jspec.drafters.knn_ssd import KnnSsd
         from jspec.sampling import Sampling
 
-        self.model, self.requests, self.max_new = model, requests, max_new_tokens
+        self.model, self.requests, self.max_new, self.objective = model, requests, max_new_tokens, objective
         self.drafter = KnnSsd(max_draft=methods.KNN_MAX_DRAFT, domains=("search",))
         self.controller = make_controller("confidence", threshold=methods.KNN_THRESHOLD)
         self.sampling, self.key = Sampling(), jax.random.key(0)
@@ -122,8 +150,12 @@ class Measure:
         tokens, records = self._run(s)
         new = sum(r["new_tokens"] for r in records)
         rounds = sum(r["stats"]["rounds"] for r in records)
-        return new / sum(r["seconds"] for r in records), {"mean_accepted_tokens": round(new / rounds, 4),
-                                                          "same_as_ar": tokens == self.ar}
+        drafted = sum(r["stats"]["drafted"] for r in records)
+        measured = new / sum(r["seconds"] for r in records)
+        modeled = modeled_speed(self.model.cfg, s, self.drafter.max_draft, new, rounds, drafted)
+        extra = {"measured_tokens_per_second": round(measured, 3), "modeled_speed": round(modeled, 4),
+                 "mean_accepted_tokens": round(new / rounds, 4), "same_as_ar": tokens == self.ar}
+        return (measured if self.objective == "measured" else modeled), extra
 
 
 class OptunaProposer:
@@ -165,7 +197,7 @@ def search(objective, proposer, variables: list[str], trials: int, log: Path, he
         if not lines or lines[0] != {"search": header}:
             raise JspecError(f"{log} is the log of another search (other prompts, model or settings); "
                              f"remove it or choose another --out")
-        done = [(t["params"], t["tokens_per_second"], t) for t in lines[1:]]
+        done = [(t["params"], t["objective"], t) for t in lines[1:]]
     else:
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text(json.dumps({"search": header}) + "\n")
@@ -177,7 +209,7 @@ def search(objective, proposer, variables: list[str], trials: int, log: Path, he
                 raise AssertionError(f"the sampler proposed {sorted(params)}")
             value, extra = objective(params)
             proposer.tell(value)
-            row = {"trial": i, "params": params, "tokens_per_second": round(value, 3), **extra}
+            row = {"trial": i, "params": params, "objective": round(value, 4), **extra}
             f.write(json.dumps(row) + "\n")
             f.flush()
             os.fsync(f.fileno())
@@ -200,6 +232,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="(default: %(default)s)")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, metavar="N", help="(default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="prompt choice and sampler seed (default: %(default)s)")
+    p.add_argument("--objective", default="measured", choices=("measured", "modeled"),
+                   help="tokens/s as timed, or tokens per modeled cost (see jspec.skip_search; default: %(default)s)")
     p.add_argument("--all-buckets", action="store_true",
                    help="time prompts of any length (a program per prompt bucket), not one bucket's")
     add_model_options(p)
@@ -221,7 +255,8 @@ def main(args: argparse.Namespace) -> int:
     requests = pick(model, prompts, args.count, args.seed, args.max_prompt_tokens, not args.all_buckets)
     variables = names(cfg.num_layers)
     header = {"model": heads.fingerprint(cfg), "prompts": str(args.prompts), "category": args.category,
-              "ids": [r.id for r in requests], "max_new_tokens": args.max_new_tokens, "seed": args.seed}
+              "ids": [r.id for r in requests], "max_new_tokens": args.max_new_tokens, "seed": args.seed,
+              "objective": args.objective}
     n = cfg.num_layers
     swift = tuple(range(n // 4 + 1, n - n // 4, 2))
     warm = [to_params(knn.SkipSet("", swift, swift), n), to_params(knn.SkipSet("", swift, ()), n)]
@@ -230,15 +265,16 @@ def main(args: argparse.Namespace) -> int:
         layers = tuple(json.loads(default.read_text())["skip_layers"])
         warm.insert(0, to_params(knn.SkipSet("", layers, layers), n))
     proposer = OptunaProposer(variables, args.seed, warm)
-    measure = Measure(model, requests, args.max_new_tokens)
+    measure = Measure(model, requests, args.max_new_tokens, args.objective)
     log = out.with_name(out.stem + LOG_SUFFIX)
     bar = tqdm(total=args.trials, unit="trial", file=sys.stderr, dynamic_ncols=True)
 
     def report(i, row, best):
         bar.update(1)
         s = to_set(name, best[0], n)
-        bar.write(f"trial {i}: {row['tokens_per_second']:.1f} tokens/s, {row['mean_accepted_tokens']:.2f} accepted; "
-                  f"best {best[1]:.1f}: attention {list(s.attention)}, mlp {list(s.mlp)}", file=sys.stderr)
+        bar.write(f"trial {i}: {args.objective} {row['objective']:.3f} ({row['measured_tokens_per_second']:.1f} "
+                  f"tokens/s, {row['mean_accepted_tokens']:.2f} accepted); best {best[1]:.3f}: "
+                  f"attention {list(s.attention)}, mlp {list(s.mlp)}", file=sys.stderr)
 
     start = time.perf_counter()
     done_before = sum(1 for _ in open(log)) - 1 if log.exists() else 0
@@ -249,12 +285,13 @@ def main(args: argparse.Namespace) -> int:
     best = to_set(name, params, n)
     best.info = {"prompts": str(args.prompts), "category": args.category, "search": {
         "trials": args.trials, "prompts_timed": args.count, "max_new_tokens": args.max_new_tokens,
-        "tokens_per_second": round(value, 3), "mean_accepted_tokens": row["mean_accepted_tokens"],
+        "objective": args.objective, "value": round(value, 4), "mean_accepted_tokens": row["mean_accepted_tokens"],
+        "measured_tokens_per_second": row["measured_tokens_per_second"],
         "ar_tokens_per_second": round(measure.ar_tokens_per_second, 3),
         "sampler": "optuna TPE", "seconds_this_run": round(time.perf_counter() - start, 1)}}
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_text(json.dumps(best.to_json(), indent=1) + "\n")
     tmp.replace(out)
-    print(f"{out}: attention {list(best.attention)}, mlp {list(best.mlp)}: {value:.1f} tokens/s "
+    print(f"{out}: attention {list(best.attention)}, mlp {list(best.mlp)}: {args.objective} {value:.3f} "
           f"({row['mean_accepted_tokens']:.2f} accepted) after {len(trials)} trials", file=sys.stderr)
     return 0

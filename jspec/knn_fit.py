@@ -7,6 +7,8 @@ the feature is computed as the drafter computes it at prefill (the mean over the
 of the final-normed last hidden state), and scikit-learn's KMeans (optional extra `knn`) keeps
 --centres centres per domain: the anchors. Sets named by --no-anchors (a set searched on all
 domains pooled, say) join the folder without anchors, to be run with `knn-ssd:domain=NAME`.
+Features are cached in DIR/.features/ (per domain, keyed by everything they depend on), so
+fitting again after a new search runs no forward.
 """
 
 from __future__ import annotations
@@ -56,6 +58,25 @@ def features(m, requests) -> np.ndarray:
     return np.stack([out[r.index] for r in requests])
 
 
+def cached_features(model, path: Path, s: knn.SkipSet, args) -> np.ndarray:
+    key = json.dumps({"model": heads.fingerprint(model.cfg), "prompts": s.info["prompts"],
+                      "category": s.info.get("category"), "count": args.count, "seed": args.seed,
+                      "max_prompt_tokens": args.max_prompt_tokens}, sort_keys=True)
+    if path.is_file():
+        with np.load(path) as f:
+            if str(f["key"]) == key:
+                return f["features"]
+    rows = domain_prompts(s.info["prompts"], s.info.get("category"))
+    random.Random(args.seed).shuffle(rows)
+    requests = [r for r in model.requests(rows[:2 * args.count]) if len(r.token_ids) <= args.max_prompt_tokens]
+    x = features(model, requests[:args.count])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.npz")
+    np.savez(tmp, features=x, key=np.asarray(key))
+    tmp.replace(path)
+    return x
+
+
 def centres(x: np.ndarray, k: int, seed: int) -> np.ndarray:
     try:
         from sklearn.cluster import KMeans
@@ -98,15 +119,12 @@ def main(args: argparse.Namespace) -> int:
         if s.name in bare:
             s.info["anchors"] = 0
             continue
-        rows = domain_prompts(s.info["prompts"], s.info.get("category"))
-        random.Random(args.seed).shuffle(rows)
-        requests = [r for r in model.requests(rows[:2 * args.count]) if len(r.token_ids) <= args.max_prompt_tokens]
-        requests = requests[:args.count]
-        c = centres(features(model, requests), args.centres, args.seed)
+        x = cached_features(model, Path(args.sets) / ".features" / f"{s.name}.npz", s, args)
+        c = centres(x, args.centres, args.seed)
         anchors.append(c)
         owner += [d] * len(c)
         s.info["anchors"] = len(c)
-        s.info["anchor_prompts"] = len(requests)
+        s.info["anchor_prompts"] = len(x)
     out = knn.save(args.out, knn.Knn(heads.fingerprint(model.cfg), sets, np.concatenate(anchors),
                                      np.asarray(owner, np.int32)))
     print(f"{out}: {len(owner)} anchors over {len(anchors)} domains, {len(sets)} skip sets", file=sys.stderr)

@@ -82,7 +82,8 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
                    help="feed text prompts as they are, without the model's chat template")
     d = p.add_argument_group("speculative decoding (methods other than ar)")
     d.add_argument("--max-draft", type=int, default=None, metavar="K",
-                   help="most tokens drafted per round (default: 4 for eesd and kangaroo, 12 for knn-ssd, 8 otherwise)")
+                   help="most tokens drafted per round (default: 4 for eesd and kangaroo, 12 for knn-ssd, "
+                        "8 otherwise)")
     d.add_argument("--controller", default=None, choices=tuple(CONTROLLERS),
                    help="draft-length controller (default: the method's own, see docs/methods.md)")
     d.add_argument("--threshold", type=float, default=None,

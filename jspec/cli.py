@@ -122,6 +122,8 @@ def check_generation_args(args: argparse.Namespace) -> None:
         if not math.isfinite(getattr(args, name)):
             raise JspecError(f"--{name.replace('_', '-')} must be a finite number")
     Sampling(args.temperature, args.top_k, args.top_p)  # raises a JspecError naming the option
+    if (args.knn is not None or args.domain is not None) and args.method != "knn-ssd":
+        raise JspecError("--knn and --domain go with --method knn-ssd")
     if args.mesh is not None:
         for part in filter(None, args.mesh.replace(" ", "").split(",")):
             name, _, value = part.partition("=")

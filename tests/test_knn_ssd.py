@@ -164,3 +164,17 @@ def test_sampling_matches_target_distribution(tmp_path_factory):
     drafted = sum(r["stats"]["drafted"] for r in records)
     accepted = sum(r["stats"]["accepted"] for r in records)
     assert 200 < accepted < 0.95 * drafted, (accepted, drafted)
+
+
+@pytest.mark.slow
+def test_default_model_uses_shipped_folder(default_model):
+    """On the default model --method knn-ssd loads checkpoints/.../knn-ssd: lossless, and each
+    record names the domain its prompt chose."""
+    folder = methods.shipped(default_model, "knn-ssd")
+    assert folder is not None, "no knn-ssd folder in checkpoints/"
+    names = knn.load(folder).names()
+    prompts = ["Translate German to English: Das Haus ist klein.", "Write a Python function that reverses a list."]
+    ar = default_model.generate(prompts, max_new_tokens=16)
+    records = default_model.generate(prompts, method="knn-ssd", max_new_tokens=16)
+    assert ids(records) == ids(ar)
+    assert all(r["stats"]["domain"] in names for r in records)

@@ -79,3 +79,19 @@ def test_params_round_trip():
     back = skip_search.to_set("x", params, 3)
     assert (back.attention, back.mlp) == (s.attention, s.mlp)
     assert s.mask(3).tolist() == [[True, False, True], [False, True, False]]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "hi", "--knn", "x"], "--knn and --domain go with --method knn-ssd"),
+    (["search-skip", "--prompts", "missing.jsonl", "--out", "o.json"], "does not exist"),
+    (["search-skip", "--prompts", "train_prompts", "--category", "nope", "--out", "o.json"], "no prompts of category"),
+    (["fit-knn", "--sets", ".", "--out", "o"], "holds no skip sets"),
+])
+def test_cli_errors_are_one_line(argv, message, capsys, tmp_path, monkeypatch):
+    from jspec.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("jspec: error:") and message in err and len(err.splitlines()) == 1
+    assert not any(tmp_path.iterdir())  # no output file, not even half of one

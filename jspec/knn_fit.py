@@ -60,12 +60,12 @@ def features(m, requests) -> np.ndarray:
 
 def cached_features(model, path: Path, s: knn.SkipSet, args) -> np.ndarray:
     key = json.dumps({"model": heads.fingerprint(model.cfg), "prompts": s.info["prompts"],
-                      "category": s.info.get("category"), "count": args.count, "seed": args.seed,
+                      "category": s.info.get("category"), "seed": args.seed,
                       "max_prompt_tokens": args.max_prompt_tokens}, sort_keys=True)
-    if path.is_file():
+    if path.is_file():  # the features of a larger count begin with those of a smaller one
         with np.load(path) as f:
-            if str(f["key"]) == key:
-                return f["features"]
+            if str(f["key"]) == key and len(f["features"]) >= args.count:
+                return f["features"][:args.count]
     rows = domain_prompts(s.info["prompts"], s.info.get("category"))
     random.Random(args.seed).shuffle(rows)
     requests = [r for r in model.requests(rows[:2 * args.count]) if len(r.token_ids) <= args.max_prompt_tokens]

@@ -154,6 +154,7 @@ class Measure:
         measured = new / sum(r["seconds"] for r in records)
         modeled = modeled_speed(self.model.cfg, s, self.drafter.max_draft, new, rounds, drafted)
         extra = {"measured_tokens_per_second": round(measured, 3), "modeled_speed": round(modeled, 4),
+                 "ar_tokens_per_second": round(self.ar_tokens_per_second, 3),
                  "mean_accepted_tokens": round(new / rounds, 4), "same_as_ar": tokens == self.ar}
         return (measured if self.objective == "measured" else modeled), extra
 
@@ -265,7 +266,13 @@ def main(args: argparse.Namespace) -> int:
         layers = tuple(json.loads(default.read_text())["skip_layers"])
         warm.insert(0, to_params(knn.SkipSet("", layers, layers), n))
     proposer = OptunaProposer(variables, args.seed, warm)
-    measure = Measure(model, requests, args.max_new_tokens, args.objective)
+    measure = None
+
+    def objective(params):  # built at the first trial: a finished search reruns nothing
+        nonlocal measure
+        measure = measure or Measure(model, requests, args.max_new_tokens, args.objective)
+        return measure(to_set(name, params, n))
+
     log = out.with_name(out.stem + LOG_SUFFIX)
     bar = tqdm(total=args.trials, unit="trial", file=sys.stderr, dynamic_ncols=True)
 
@@ -279,7 +286,7 @@ def main(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     done_before = sum(1 for _ in open(log)) - 1 if log.exists() else 0
     bar.update(max(done_before, 0))
-    trials = search(lambda p: measure(to_set(name, p, n)), proposer, variables, args.trials, log, header, report)
+    trials = search(objective, proposer, variables, args.trials, log, header, report)
     bar.close()
     params, value, row = max(trials, key=lambda d: d[1])
     best = to_set(name, params, n)
@@ -287,7 +294,7 @@ def main(args: argparse.Namespace) -> int:
         "trials": args.trials, "prompts_timed": args.count, "max_new_tokens": args.max_new_tokens,
         "objective": args.objective, "value": round(value, 4), "mean_accepted_tokens": row["mean_accepted_tokens"],
         "measured_tokens_per_second": row["measured_tokens_per_second"],
-        "ar_tokens_per_second": round(measure.ar_tokens_per_second, 3),
+        "ar_tokens_per_second": row.get("ar_tokens_per_second"),
         "sampler": "optuna TPE", "seconds_this_run": round(time.perf_counter() - start, 1)}}
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_text(json.dumps(best.to_json(), indent=1) + "\n")

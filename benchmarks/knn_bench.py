@@ -1,0 +1,69 @@
+"""knn-ssd on Spec-Bench: the chosen sets, the pooled set and every domain's set on every prompt.
+
+    python benchmarks/knn_bench.py --limit 1 --max-new-tokens 32 --shard 0/4 --output out-0.jsonl
+
+For each prompt (the first --limit of each of the 13 categories; greedy, batch 1, the chat
+template) this runs `ar`, then `knn-ssd` (each prompt choosing its set), then `knn-ssd` with
+each set of the folder forced (`--domain`), interleaved prompt by prompt so that a change in the
+machine's load hits them all alike. All the knn-ssd variants are one compiled program (the sets
+are data), which is why this does not go through `jspec bench`: that warms every method up
+separately. --shard i/n takes every n-th prompt from the i-th, so n processes split the work.
+Rows are appended as they come; rerunning resumes. Tables: benchmarks/knn_report.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import jax
+
+import jspec
+from jspec import bench, methods
+from jspec.sampling import Sampling
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--knn", default=None, help="the folder (default: the shipped one)")
+    ap.add_argument("--limit", type=int, default=1)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--shard", default="0/1")
+    ap.add_argument("--output", required=True)
+    args = ap.parse_args()
+    i, n = map(int, args.shard.split("/"))
+    model = jspec.load()
+    prompts = bench.read_bench_prompts("spec_bench", args.limit)[i::n]
+    folder = methods._load_knn(model, args.knn)
+    plans = {"ar": methods.build("ar", model), "knn-ssd": methods.build("knn-ssd", model, knn=args.knn)}
+    for name in folder.names():
+        plans[f"knn-ssd:domain={name}"] = methods.build("knn-ssd", model, knn=args.knn, domain=name)
+    out = Path(args.output)
+    done = {(r["method"], json.dumps(r["id"])) for r in map(json.loads, out.read_text().splitlines())} \
+        if out.exists() else set()
+    with open(out, "a") as f:
+        for p in prompts:
+            [request] = model.requests([p])
+            ar = None
+            for label, plan in plans.items():
+                key = (label, json.dumps(p["id"]))
+                if key in done and label != "ar":  # ar runs again: the others are checked against it
+                    continue
+                [rec] = model._run_batch([request], 1, args.max_new_tokens, Sampling(), jax.random.key(0), plan)
+                ar = rec["token_ids"] if label == "ar" else ar
+                if key in done:
+                    continue
+                row = {"method": label, "kind": "jspec", "batch_size": 1, "id": p["id"], "category": p["category"],
+                       "new_tokens": rec["new_tokens"], "seconds": rec["seconds"],
+                       "tokens_per_second": rec["tokens_per_second"], **rec["stats"],
+                       "same_as_ar": rec["token_ids"] == ar}
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+                print(label, p["category"], rec["tokens_per_second"], rec["stats"].get("domain"), flush=True)
+
+
+if __name__ == "__main__":
+    main()

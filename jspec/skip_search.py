@@ -10,7 +10,8 @@ search compiles one program (a set is data). Objective (`--objective`): `measure
 tokens/s of those runs; or `modeled`, tokens per unit of a cost model (`modeled_speed`) fed the
 runs' own rounds and drafts, which a machine shared with other work cannot disturb. The sampler
 is Optuna's TPE (optional extra `knn`), warm-started with SWIFT's starting point (every other
-layer of the middle half) and, for the default model, the shipped layer-skip set.
+layer of the middle half) and, for the default model, the shipped layer-skip set: each as whole
+layers, attention only and MLP only.
 
 Every trial is appended (flushed) to OUT.trials.jsonl; rerunning the same command resumes from
 it: the logged trials are told to a new sampler and only the rest run. OUT is written when the
@@ -260,12 +261,15 @@ def main(args: argparse.Namespace) -> int:
               "ids": [r.id for r in requests], "max_new_tokens": args.max_new_tokens, "seed": args.seed,
               "objective": args.objective}
     n = cfg.num_layers
-    swift = tuple(range(n // 4 + 1, n - n // 4, 2))
-    warm = [to_params(knn.SkipSet("", swift, swift), n), to_params(knn.SkipSet("", swift, ()), n)]
+    # Half the sublayers drawn at random almost never drafts an accepted token, so with a small
+    # budget the warm starts carry the search: whole layers, attention only and MLP only, of
+    # SWIFT's starting point and (default model) the shipped layer-skip set.
+    starts = [tuple(range(n // 4 + 1, n - n // 4, 2))]
     default = methods.shipped(model, "layer-skip.json")
     if default is not None:
-        layers = tuple(json.loads(default.read_text())["skip_layers"])
-        warm.insert(0, to_params(knn.SkipSet("", layers, layers), n))
+        starts.insert(0, tuple(json.loads(default.read_text())["skip_layers"]))
+    warm = [to_params(knn.SkipSet("", a, m), n) for layers in starts
+            for a, m in ((layers, layers), (layers, ()), ((), layers))]
     proposer = OptunaProposer(variables, args.seed, warm)
     measure = None
 

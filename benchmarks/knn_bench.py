@@ -5,7 +5,8 @@
 For each prompt (the first --limit of each of the 13 categories; greedy, batch 1, the chat
 template) this runs `ar`, then `knn-ssd` (each prompt choosing its set), then `knn-ssd` with
 each set of the folder forced (`--domain`), interleaved prompt by prompt so that a change in the
-machine's load hits them all alike. All the knn-ssd variants are one compiled program (the sets
+machine's load hits them all alike; a domain whose set equals an earlier domain's is not run
+again, its rows are copies (`copied_from`). All the knn-ssd variants are one compiled program (the sets
 are data), which is why this does not go through `jspec bench`: that warms every method up
 separately. --shard i/n takes every n-th prompt from the i-th, so n processes split the work.
 Rows are appended as they come; rerunning resumes. Tables: benchmarks/knn_report.py.
@@ -38,8 +39,12 @@ def main() -> None:
     prompts = bench.read_bench_prompts("spec_bench", args.limit)[i::n]
     folder = methods._load_knn(model, args.knn)
     plans = {"ar": methods.build("ar", model), "knn-ssd": methods.build("knn-ssd", model, knn=args.knn)}
-    for name in folder.names():
-        plans[f"knn-ssd:domain={name}"] = methods.build("knn-ssd", model, knn=args.knn, domain=name)
+    first = {}  # a domain whose set another domain already has decodes exactly as that one: copied
+    for s in folder.sets:
+        label = f"knn-ssd:domain={s.name}"
+        if first.setdefault((s.attention, s.mlp), label) == label:
+            plans[label] = methods.build("knn-ssd", model, knn=args.knn, domain=s.name)
+    copies = {f"knn-ssd:domain={s.name}": first[(s.attention, s.mlp)] for s in folder.sets}
     out = Path(args.output)
     done = {(r["method"], json.dumps(r["id"])) for r in map(json.loads, out.read_text().splitlines())} \
         if out.exists() else set()
@@ -59,7 +64,9 @@ def main() -> None:
                        "new_tokens": rec["new_tokens"], "seconds": rec["seconds"],
                        "tokens_per_second": rec["tokens_per_second"], **rec["stats"],
                        "same_as_ar": rec["token_ids"] == ar}
-                f.write(json.dumps(row) + "\n")
+                rows = [row] + [{**row, "method": copy, "copied_from": label, "domain": copy.split("=")[1]}
+                                for copy, original in copies.items() if original == label and copy != label]
+                f.write("".join(json.dumps(r) + "\n" for r in rows))
                 f.flush()
                 os.fsync(f.fileno())
                 print(label, p["category"], rec["tokens_per_second"], rec["stats"].get("domain"), flush=True)

@@ -62,7 +62,7 @@ def shipped(model, name: str) -> Path | None:
 
 
 def default_skip_layers(model) -> tuple[int, ...]:
-    """The set searched for the default model (benchmarks/search_skip.py); for other models every
+    """The set searched for the default model (docs/methods.md, "Layer-skip default"); for other models every
     other layer of the middle half (first and last quarter kept), SWIFT's starting point."""
     searched = shipped(model, "layer-skip.json")
     if searched is not None:

@@ -33,18 +33,25 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--shard", default="0/1")
     ap.add_argument("--output", required=True)
+    ap.add_argument("--labels", default=None, help="only these labels (comma-separated; ar always runs)")
     args = ap.parse_args()
     i, n = map(int, args.shard.split("/"))
     model = jspec.load()
     prompts = bench.read_bench_prompts("spec_bench", args.limit)[i::n]
     folder = methods._load_knn(model, args.knn)
-    plans = {"ar": methods.build("ar", model), "knn-ssd": methods.build("knn-ssd", model, knn=args.knn)}
+    wanted = set(args.labels.split(",")) if args.labels else None
+    plans = {"ar": methods.build("ar", model)}
+    if wanted is None or "knn-ssd" in wanted:
+        plans["knn-ssd"] = methods.build("knn-ssd", model, knn=args.knn)
     first = {}  # a domain whose set another domain already has decodes exactly as that one: copied
     for s in folder.sets:
         label = f"knn-ssd:domain={s.name}"
+        if wanted is not None and label not in wanted:
+            continue
         if first.setdefault((s.attention, s.mlp), label) == label:
             plans[label] = methods.build("knn-ssd", model, knn=args.knn, domain=s.name)
-    copies = {f"knn-ssd:domain={s.name}": first[(s.attention, s.mlp)] for s in folder.sets}
+    copies = {f"knn-ssd:domain={s.name}": first[(s.attention, s.mlp)] for s in folder.sets
+              if (s.attention, s.mlp) in first and (wanted is None or f"knn-ssd:domain={s.name}" in wanted)}
     out = Path(args.output)
     done = {(r["method"], json.dumps(r["id"])) for r in map(json.loads, out.read_text().splitlines())} \
         if out.exists() else set()

@@ -18,11 +18,12 @@ from jspec import skip_search
 def main(sets: str) -> None:
     logs = {p.name.removesuffix(skip_search.LOG_SUFFIX): p for p in sorted(Path(sets).glob("*" + skip_search.LOG_SUFFIX))
             if not p.name.startswith("pooled")}
+    rows = {d: [json.loads(x) for x in log.read_text().splitlines()[1:] if x.strip()] for d, log in logs.items()}
+    logs = {d: log for d, log in logs.items() if rows[d]}  # a search with no finished trial has no say
     tried = {}
-    for domain, log in logs.items():
-        for row in (json.loads(x) for x in log.read_text().splitlines()[1:] if x.strip()):
-            key = json.dumps(row["params"], sort_keys=True)
-            tried.setdefault(key, {})[domain] = row["objective"]
+    for domain in logs:
+        for row in rows[domain]:
+            tried.setdefault(json.dumps(row["params"], sort_keys=True), {})[domain] = row["objective"]
     common = {k: v for k, v in tried.items() if len(v) == len(logs)}
     best = max(common, key=lambda k: statistics.mean(common[k].values()))
     params = json.loads(best)

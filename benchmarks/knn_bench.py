@@ -22,7 +22,7 @@ from pathlib import Path
 import jax
 
 import jspec
-from jspec import bench, methods
+from jspec import bench, methods, prompt_sets
 from jspec.sampling import Sampling
 
 
@@ -37,7 +37,7 @@ def main() -> None:
     args = ap.parse_args()
     i, n = map(int, args.shard.split("/"))
     model = jspec.load()
-    prompts = bench.read_bench_prompts("spec_bench", args.limit)[i::n]
+    prompts = bench.read_bench_prompts(prompt_sets.resolve(prompt_sets.SPEC_BENCH), args.limit)[i::n]
     folder = methods._load_knn(model, args.knn)
     wanted = set(args.labels.split(",")) if args.labels else None
     plans = {"ar": methods.build("ar", model)}

@@ -21,7 +21,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 DRAFT=build/smollm2-135m-draft  # the draft model of run_all.sh (benchmarks/make_draft_model.py)
-METHODS=${METHODS:-"ar,draft:draft_model=$DRAFT,early-exit,eesd,kangaroo,layer-skip,ngram,mjsd,specee"}
+METHODS=${METHODS:-"ar,draft:draft_model=$DRAFT,early-exit,eesd,kangaroo,knn-ssd,layer-skip,ngram,mjsd,specee"}
 LIMIT=${LIMIT-5}
 OUTPUT=${OUTPUT:-benchmarks/results_accelerator.jsonl}
 PAGE=${PAGE:-docs/benchmarks-accelerator.md}

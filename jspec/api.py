@@ -196,8 +196,11 @@ class Model:
         out, stats = distributed.gather((out, stats))
         seconds = time.perf_counter() - t0
         self._caches[(rows, s)] = cache
-        return [self._record(r, out[i, :stats["new_tokens"][i]], {k: v[i].tolist() for k, v in stats.items()}, seconds)
-                for i, r in enumerate(batch)]
+        records = [self._record(r, out[i, :stats["new_tokens"][i]], {k: v[i].tolist() for k, v in stats.items()},
+                                seconds) for i, r in enumerate(batch)]
+        for i, record in enumerate(records):
+            record["stats"].update(drafter.record_stats({k: v[i].tolist() for k, v in stats.items()}))
+        return records
 
     def _place(self, tokens, prompt_lens, eos):
         if self.mesh is None:
@@ -244,16 +247,5 @@ class Model:
                 "accepted": stats["accepted"],
                 "mean_accepted_tokens": round(new / max(stats["rounds"], 1), 4),
                 "acceptance_rate": round(stats["accepted"] / stats["drafted"], 4) if stats["drafted"] else None,
-                **(exit_stats(stats["exits"]) if "exits" in stats else {}),
             },
         }
-
-
-def exit_stats(exits: list[int]) -> dict:
-    """SpecEE's counters from tokens per exit depth (the last entry: full depth, no exit): the mean
-    layers run per decoded token (the prefill's token, always at full depth, left out) and the
-    histogram of the depths that exited."""
-    decoded = sum(exits)
-    mean = sum(d * c for d, c in enumerate(exits)) / decoded if decoded else None
-    return {"mean_layers": round(mean, 3) if mean is not None else None,
-            "exit_layers": {str(d): c for d, c in enumerate(exits) if c}}

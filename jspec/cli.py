@@ -1,4 +1,5 @@
-"""The `jspec` command line: generate, compare, convert, bench, distill-data, train-head, env.
+"""The `jspec` command line: generate, compare, convert, bench, distill-data, train-head, search-skip,
+fit-knn, env.
 
     jspec generate "Name three primes."                       # the answer on stdout, speed on stderr
     jspec generate --prompts in.jsonl --output out.jsonl     # one record per prompt, resumable
@@ -83,7 +84,8 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
                    help="feed text prompts as they are, without the model's chat template")
     d = p.add_argument_group("speculative decoding (methods other than ar)")
     d.add_argument("--max-draft", type=int, default=None, metavar="K",
-                   help="most tokens drafted per round (default: 4 for eesd, kangaroo and mjsd, 8 otherwise)")
+                   help="most tokens drafted per round (default: 4 for eesd, kangaroo and mjsd, 12 for "
+                        "knn-ssd, 8 otherwise)")
     d.add_argument("--controller", default=None, choices=tuple(CONTROLLERS),
                    help="draft-length controller (default: the method's own, see docs/methods.md)")
     d.add_argument("--threshold", type=float, default=None,
@@ -101,6 +103,10 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     d.add_argument("--head", default=None, metavar="PATH",
                    help="eesd, kangaroo: a head from jspec train-head (default: the one shipped for the "
                         "default model); specee: the head its predictors were trained over")
+    d.add_argument("--knn", default=None, metavar="PATH",
+                   help="knn-ssd: a folder from jspec fit-knn (default: the one shipped for the default model)")
+    d.add_argument("--domain", default=None, metavar="NAME",
+                   help="knn-ssd: run this domain's skip set on every prompt instead of choosing by anchor")
     m = p.add_argument_group("mjsd (lossy: the output differs from ar's)")
     m.add_argument("--beam-width", type=int, default=None, metavar="W",
                    help="beams drafted per round (default: 4)")
@@ -130,6 +136,8 @@ def check_generation_args(args: argparse.Namespace) -> None:
         if not math.isfinite(getattr(args, name)):
             raise JspecError(f"--{name.replace('_', '-')} must be a finite number")
     Sampling(args.temperature, args.top_k, args.top_p)  # raises a JspecError naming the option
+    if (args.knn is not None or args.domain is not None) and args.method != "knn-ssd":
+        raise JspecError("--knn and --domain go with --method knn-ssd")
     if args.exit_threshold is not None and not (math.isfinite(args.exit_threshold) and args.exit_threshold >= 0):
         raise JspecError(f"--exit-threshold must be a number >= 0 (above 1: never exit), got {args.exit_threshold}")
     if args.method in LOSSY:
@@ -154,7 +162,8 @@ def generation_options(args: argparse.Namespace) -> dict:
               "thompson_variant": args.thompson_variant, "draft_cost": args.draft_cost,
               "exit_layer": args.exit_layer, "skip_layers": skip, "draft_model": args.draft_model,
               "head": args.head, "beam_width": args.beam_width, "accept_threshold": args.accept_threshold,
-              "exit_threshold": args.exit_threshold, "predictors": args.predictors}
+              "exit_threshold": args.exit_threshold, "predictors": args.predictors, "knn": args.knn,
+              "domain": args.domain}
     return dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, temperature=args.temperature,
                 top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                 **{k: v for k, v in method.items() if v is not None})
@@ -668,6 +677,13 @@ def _add_bench(sub, wanted: bool) -> None:
     p.set_defaults(func=bench.main)
 
 
+def _add_module_command(sub, name: str, module: str, help: str, description: str) -> None:
+    """A command whose arguments and body live in `module` (add_arguments(parser), main(args))."""
+    p = sub.add_parser(name, help=help, description=description)
+    p.set_defaults(func=lambda args: importlib.import_module(module).main(args))
+    importlib.import_module(module).add_arguments(p)
+
+
 def _fail(message: str) -> int:
     raise JspecError(message)
 
@@ -687,6 +703,12 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     _add_train_head(sub)
     _add_train_predictors(sub)
     _add_env(sub)
+    _add_module_command(sub, "search-skip", "jspec.skip_search", "search a domain's sublayer skip set (knn-ssd)",
+                        "Bayesian optimisation (Optuna) of which attention and MLP sublayers a layer-skip draft "
+                        "leaves out, by measured tokens/s on a few of the domain's prompts; resumable.")
+    _add_module_command(sub, "fit-knn", "jspec.knn_fit", "fit knn-ssd anchors and gather the skip sets",
+                        "Compute prompt features of each domain's prompts, keep k-means centres as anchors and "
+                        "write them with the searched skip sets into one folder for --method knn-ssd.")
     _add_bench(sub, wanted=bool(argv) and argv[0] == "bench")
     return parser
 

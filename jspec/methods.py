@@ -14,29 +14,33 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jspec import heads, sharding
+from jspec import heads, knn as knn_folder, sharding
 from jspec import predictors as predictors_io
 from jspec.controllers import make_controller
 from jspec.drafters.beam import Beam
 from jspec.drafters.draft_model import DraftModel
 from jspec.drafters.early_exit import EarlyExit
+from jspec.drafters.knn_ssd import KnnSsd
 from jspec.drafters.layer_skip import LayerSkip
 from jspec.drafters import specee
 from jspec.drafters.ngram import NGram
 from jspec.drafters.none import NoDraft
 from jspec.errors import JspecError
 
-LOSSLESS = ("ar", "draft", "early-exit", "eesd", "kangaroo", "layer-skip", "ngram")
+LOSSLESS = ("ar", "draft", "early-exit", "eesd", "kangaroo", "knn-ssd", "layer-skip", "ngram")
 LOSSY = ("mjsd", "specee")  # output differs from ar's: jspec bench reports their quality (jspec.quality)
 METHODS = LOSSLESS + LOSSY
 DEFAULT_CONTROLLER = {"ar": "fixed", "draft": "fixed", "early-exit": "confidence", "eesd": "thompson",
-                      "kangaroo": "confidence", "layer-skip": "dv", "ngram": "fixed", "mjsd": "fixed",
-                      "specee": "fixed"}
+                      "kangaroo": "confidence", "knn-ssd": "confidence", "layer-skip": "dv", "ngram": "fixed",
+                      "mjsd": "fixed", "specee": "fixed"}
 MAX_DRAFT = 8
 # MJSD drafts K = 4 tokens in W = 4 beams with tau = 0.5, the reference's settings (docs/methods.md).
 MJSD_MAX_DRAFT = 4
 BEAM_WIDTH = 4
 ACCEPT_THRESHOLD = 0.5
+# KNN-SSD's reference drafts until a token below 0.8 confidence (kept) or 12 drafts.
+KNN_MAX_DRAFT = 12
+KNN_THRESHOLD = 0.8
 HEAD_METHODS = heads.KINDS
 SPECEE_CHOICES = specee.CHOICES
 # The reference's 0.5 lets SmolLM2-135M's predictors (held-out precision 0.57-0.70 below depth 21)
@@ -55,6 +59,8 @@ def default_max_draft(method: str) -> int:
         return 1 if jax.default_backend() == "cpu" else 4
     if method == "mjsd":
         return MJSD_MAX_DRAFT
+    if method == "knn-ssd":
+        return KNN_MAX_DRAFT
     return MAX_DRAFT
 
 
@@ -73,7 +79,7 @@ def shipped(model, name: str) -> Path | None:
 
 
 def default_skip_layers(model) -> tuple[int, ...]:
-    """The set searched for the default model (benchmarks/search_skip.py); for other models every
+    """The set searched for the default model (docs/methods.md, "Layer-skip default"); for other models every
     other layer of the middle half (first and last quarter kept), SWIFT's starting point."""
     searched = shipped(model, "layer-skip.json")
     if searched is not None:
@@ -87,7 +93,7 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
           thompson_variant: str | None = None, draft_cost: float | None = None, head: str | None = None,
           beam_width: int | None = None, accept_threshold: float | None = None,
           exit_threshold: float | None = None, predictors: str | None = None, exit_choice: str | None = None,
-          exit_kv: str | None = None):
+          exit_kv: str | None = None, knn: str | None = None, domain: str | None = None):
     """(drafter, drafter params, controller) for `method` on `model` (a jspec.api.Model)."""
     if method not in METHODS:
         raise JspecError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
@@ -97,6 +103,8 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
     k = default_max_draft(method) if max_draft is None else max_draft
     if method != "ar" and not 1 <= k <= 64:
         raise JspecError(f"--max-draft must be between 1 and 64, got {k}")
+    if method == "knn-ssd" and threshold is None and controller in (None, "confidence"):
+        threshold = KNN_THRESHOLD
     ctrl = make_controller(controller or DEFAULT_CONTROLLER[method], threshold=threshold,
                            variant=thompson_variant, cost=draft_cost)
     if head is not None and method not in HEAD_METHODS + ("mjsd", "specee"):
@@ -113,6 +121,11 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
         return NoDraft(), (), ctrl
     if method == "ngram":
         return NGram(max_draft=k), (), ctrl
+    if (knn is not None or domain is not None) and method != "knn-ssd":
+        raise JspecError("--knn and --domain go with --method knn-ssd")
+    if method == "knn-ssd":
+        folder = _load_knn(model, knn)
+        return KnnSsd(max_draft=k, domains=folder.names()), _placed(folder.dparams(cfg, domain), model), ctrl
     if method == "layer-skip":
         skip = default_skip_layers(model) if skip_layers is None else tuple(sorted(set(skip_layers)))
         bad = [i for i in skip if not 0 <= i < cfg.num_layers]
@@ -233,3 +246,17 @@ def _load_head(method: str, model, head: str | None):
     if meta["kind"] != method:
         raise JspecError(f"head {path} is a {meta['kind']} head, not a {method} head")
     return hp, meta
+
+
+@functools.lru_cache(maxsize=8)
+def _read_knn(path: str, stamp: int) -> knn_folder.Knn:
+    return knn_folder.load(path)
+
+
+def _load_knn(model, path: str | None) -> knn_folder.Knn:
+    path = path or shipped(model, "knn-ssd")
+    if path is None:
+        raise JspecError("--method knn-ssd needs --knn PATH: anchors and skip sets ship only for the default "
+                         "model (make them with jspec search-skip and jspec fit-knn)")
+    meta = Path(path) / "knn.json"
+    return _read_knn(str(Path(path).resolve()), meta.stat().st_mtime_ns if meta.exists() else 0)

@@ -186,6 +186,38 @@ def run_layers(params: Params, cfg: ModelConfig, h: jax.Array, positions: jax.Ar
     return h, KVCache(k, v)
 
 
+def run_masked_layers(params: Params, cfg: ModelConfig, h: jax.Array, positions: jax.Array | None, cache: KVCache,
+                      skip: jax.Array):
+    """run_layers over every layer with sublayers skipped per row, as data: skip [B, 2, L] bool,
+    [:, 0] the attention and [:, 1] the MLP of each layer. A skipped sublayer is the identity on
+    the residual stream. With one row it is not computed (lax.cond), and a skipped attention
+    writes no cache; with more it is computed when any row needs it and the rows that skip it
+    keep their input (their cache entries at these positions are written, and never read by
+    them: only a verification reads them, after overwriting them). Being data, a new skip set
+    compiles nothing."""
+    cos, sin = rope_at(cfg, h, positions)
+    k, v = list(cache.k), list(cache.v)
+    for i, lp in enumerate(params["layers"]):
+        def attn(h, kc, vc, lp=lp):
+            return attention_block(cfg, lp, h, positions, cos, sin, kc, vc)
+
+        h, k[i], v[i] = _sublayer(skip[:, 0, i], attn, h, k[i], v[i])
+        (h,) = _sublayer(skip[:, 1, i], lambda h, lp=lp: (mlp_block(cfg, lp, h),), h)
+    return h, KVCache(k, v)
+
+
+def _sublayer(skip_rows: jax.Array, fn, h: jax.Array, *rest):
+    """fn(h, *rest) -> (h, *rest), skipped when every row's skip_rows [B] is set, and each
+    skipping row's h kept as it was."""
+    def run(h, *rest):
+        out = fn(h, *rest)
+        if h.shape[0] == 1:
+            return out
+        return (jnp.where(skip_rows[:, None, None], h, out[0]), *out[1:])
+
+    return jax.lax.cond(jnp.all(skip_rows), lambda h, *rest: (h, *rest), run, h, *rest)
+
+
 def linear(x: jax.Array, w: jax.Array, dtype=None) -> jax.Array:
     """x [..., D] times w [N, D] transposed -> [..., N], accumulated in float32 and returned in
     `dtype` (default: x's). Every weight matrix, the LM head included, is read this way.

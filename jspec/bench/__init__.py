@@ -211,6 +211,7 @@ def _row(method: str, kind: str, batch_size: int, prompt: dict, ids: list[int], 
             "batch_rows": batch_rows, "tokens_per_second": round(len(ids) / seconds, 3) if seconds > 0 else None,
             "mean_accepted_tokens": stats and stats["mean_accepted_tokens"],
             "acceptance_rate": stats and stats["acceptance_rate"], "same_as_ar": same,
+            **({"domain": stats["domain"]} if stats and "domain" in stats else {}),
             "mismatch": bool(lossless and same is False), **quality, **settings, "token_ids": ids, "text": text}
 
 

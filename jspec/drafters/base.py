@@ -68,6 +68,11 @@ class Drafter:
         """The drafter's own counters for the records, [B, ...] arrays (none by default)."""
         return {}
 
+    def record_stats(self, stats: dict) -> dict:
+        """What a record's `stats` adds from one row's counters (as Python values), e.g. a name for
+        an index."""
+        return {}
+
 
 def draft_loop(step, carry, s, controller, sampling: Sampling, key, max_draft: int):
     """Draft up to max_draft tokens one at a time, while any live row's controller says go on.

@@ -127,6 +127,16 @@ class SpecEE(Drafter):
     def stats(self, dstate) -> dict:
         return {"exits": dstate["exits"]}
 
+    def record_stats(self, stats: dict) -> dict:
+        """Tokens per exit depth (the last entry: full depth, no exit) -> the mean layers run per
+        decoded token (the prefill's token, always at full depth, left out) and the histogram of
+        the depths that exited."""
+        exits = stats["exits"]
+        decoded = sum(exits)
+        mean = sum(d * c for d, c in enumerate(exits)) / decoded if decoded else None
+        return {"mean_layers": round(mean, 3) if mean is not None else None,
+                "exit_layers": {str(d): c for d, c in enumerate(exits) if c}}
+
 
 def candidates(cfg, hp, h, positions, head_kv):
     """The head's top C tokens after the depth-N state h [B, 1, D]: (ids [B, C], their LM-head rows

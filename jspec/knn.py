@@ -1,0 +1,115 @@
+"""KNN-SSD folders: a sublayer skip set per domain and the anchors that choose between them.
+
+A folder holds
+    knn.json      format, the model it fits (heads.fingerprint), and per domain its name, skipped
+                  attention and MLP layers, anchor count and how the set was found
+    anchors.npz   anchors [N, D] float32 (k-means centres of prompt features) and domain [N] int
+
+Domains without anchors (a set searched on all domains pooled, say) are never chosen by the
+lookup; `--method knn-ssd:domain=NAME` runs any domain's set on every prompt.
+Reading a folder needs only numpy and jax; fitting anchors (jspec.knn_fit) needs scikit-learn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from jspec import heads
+from jspec.config import ModelConfig
+from jspec.convert import store
+from jspec.errors import JspecError
+
+FORMAT = 1
+
+
+@dataclasses.dataclass
+class SkipSet:
+    """Layers whose attention / MLP sublayer a draft skips, and how the set was found."""
+
+    name: str
+    attention: tuple[int, ...]
+    mlp: tuple[int, ...]
+    info: dict = dataclasses.field(default_factory=dict)
+
+    def mask(self, num_layers: int) -> np.ndarray:
+        """[2, L] bool: attention row, MLP row."""
+        out = np.zeros((2, num_layers), bool)
+        out[0, list(self.attention)] = True
+        out[1, list(self.mlp)] = True
+        return out
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "skip_attention": list(self.attention), "skip_mlp": list(self.mlp), **self.info}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "SkipSet":
+        info = {k: v for k, v in obj.items() if k not in ("name", "skip_attention", "skip_mlp")}
+        return cls(obj["name"], tuple(obj["skip_attention"]), tuple(obj["skip_mlp"]), info)
+
+
+@dataclasses.dataclass
+class Knn:
+    model: dict  # heads.fingerprint of the model the sets were searched on
+    sets: list[SkipSet]
+    anchors: np.ndarray  # [N, D] float32
+    anchor_domain: np.ndarray  # [N] int32, an index into sets
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.sets)
+
+    def dparams(self, cfg: ModelConfig, domain: str | None = None) -> dict:
+        """The knn-ssd drafter's data; `domain` forces that domain's set on every prompt."""
+        check_model(self.model, cfg, "these KNN-SSD anchors and skip sets")
+        names = self.names()
+        if domain is not None and domain not in names:
+            raise JspecError(f"no domain {domain!r} in the KNN-SSD folder; it has {', '.join(names)}")
+        chosen = self.anchor_domain if domain is None else np.full_like(self.anchor_domain, names.index(domain))
+        unit = self.anchors / np.maximum(np.linalg.norm(self.anchors, axis=-1, keepdims=True), 1e-12)
+        return {"anchors": jnp.asarray(unit, jnp.float32), "anchor_domain": jnp.asarray(chosen, jnp.int32),
+                "skip": jnp.asarray(np.stack([s.mask(cfg.num_layers) for s in self.sets]))}
+
+
+def check_model(fingerprint: dict, cfg: ModelConfig, what: str) -> None:
+    if fingerprint != heads.fingerprint(cfg):
+        raise JspecError(f"{what} were made for another model ({fingerprint.get('arch')}, "
+                         f"{fingerprint.get('num_layers')} layers, hidden size {fingerprint.get('hidden_size')}), "
+                         f"not this {cfg.arch} with {cfg.num_layers} layers and hidden size {cfg.hidden_size}")
+
+
+def save(path: str | os.PathLike, knn: Knn) -> Path:
+    """Write the folder atomically (a temporary folder renamed into place)."""
+    path = Path(path).absolute()
+    if not len(knn.anchors):
+        raise JspecError("a KNN-SSD folder needs at least one anchor")
+    with store.writing_folder(path) as tmp:
+        np.savez(tmp / "anchors.npz", anchors=knn.anchors.astype(np.float32),
+                 domain=knn.anchor_domain.astype(np.int32))
+        meta = {"format": FORMAT, "model": knn.model, "sets": [s.to_json() for s in knn.sets]}
+        (tmp / "knn.json").write_text(json.dumps(meta, indent=1) + "\n")
+    return path
+
+
+def load(path: str | os.PathLike) -> Knn:
+    path = Path(path)
+    if not (path / "knn.json").is_file() or not (path / "anchors.npz").is_file():
+        raise JspecError(f"{path} is not a KNN-SSD folder (it needs knn.json and anchors.npz; "
+                         f"make one with jspec fit-knn)")
+    try:
+        meta = json.loads((path / "knn.json").read_text())
+        with np.load(path / "anchors.npz") as f:
+            anchors, domain = f["anchors"], f["domain"]
+    except (OSError, ValueError, KeyError) as e:
+        raise JspecError(f"{path}: unreadable KNN-SSD folder ({e})") from None
+    if meta.get("format") != FORMAT:
+        raise JspecError(f"{path}: KNN-SSD format {meta.get('format')}, this jspec reads format {FORMAT}")
+    sets = [SkipSet.from_json(s) for s in meta["sets"]]
+    if anchors.ndim != 2 or domain.shape != anchors.shape[:1] or not len(anchors) \
+            or not np.all((0 <= domain) & (domain < len(sets))):
+        raise JspecError(f"{path}: anchors.npz does not match knn.json")
+    return Knn(meta["model"], sets, anchors.astype(np.float32), domain.astype(np.int32))

@@ -14,7 +14,10 @@ the three transfers of a generation run (`rows_array`, `gather`, `from_writer`).
 from __future__ import annotations
 
 import hashlib
+import os
 import socket
+import sys
+import threading
 import time
 
 import jax
@@ -55,14 +58,31 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         # jax's client aborts the process (a C++ fatal error with a stack trace) when no coordinator
         # answers within the timeout: find out first, and say so in one line.
         _wait_for(host, port, timeout)
-    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id,
-                               initialization_timeout=timeout)
+    # jax's own deadline aborts the process (a C++ fatal error) when some process never arrives, so
+    # a watchdog gives up first, in one line; jax's deadline stays as the backstop.
+    watchdog = threading.Timer(timeout, _give_up, [f"not all {num_processes} processes joined the run at "
+                                                   f"{coordinator} within {timeout:g} s (were they all started, "
+                                                   f"with the same --num-processes?)"])
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                                   process_id=process_id, initialization_timeout=timeout + 30)
+    finally:
+        watchdog.cancel()
     # jax takes the process count from the coordinator: a process started with another count joins
     # without complaint, and would wait forever in the first collective that counts on it.
     counts = multihost_utils.process_allgather(np.asarray([num_processes]))
     if np.any(counts != jax.process_count()):
         raise JspecError(f"the processes disagree on --num-processes ({', '.join(map(str, counts.ravel()))} "
                          f"by process id); the coordinator expects {jax.process_count()}")
+
+
+def _give_up(message: str) -> None:
+    """A clean exit from a thread while the main thread is stuck inside jax's C++ (no exception
+    can reach it there): the CLI's one-line error and exit status 2."""
+    print(f"jspec: error: {message}", file=sys.stderr, flush=True)
+    os._exit(2)
 
 
 def _address(coordinator: str) -> tuple[str, int]:

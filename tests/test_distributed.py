@@ -108,6 +108,17 @@ def test_mismatched_process_counts_are_one_line(setup, tmp_path):
         one_line_error(rc, err, "disagree on --num-processes")
 
 
+def test_a_missing_process_is_one_line(setup, tmp_path):
+    """Both started with --num-processes 3, and the third never comes."""
+    model, prompts, _ = setup
+    t0 = time.monotonic()
+    results = launch(model, "--prompts", prompts, "--output", tmp_path / "o.jsonl", *ARGS[:2], num=(3, 3),
+                     init_timeout=5)
+    for rc, err in results:
+        one_line_error(rc, err, "not all 3 processes joined the run")
+    assert time.monotonic() - t0 < 60
+
+
 def test_different_commands_are_one_line(setup, tmp_path):
     model, prompts, _ = setup
     other = tmp_path / "other.jsonl"

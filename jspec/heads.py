@@ -106,6 +106,16 @@ def fingerprint(cfg: ModelConfig) -> dict:
             "intermediate_size": cfg.intermediate_size}
 
 
+def check_fingerprint(got: dict, cfg: ModelConfig, lead: str) -> None:
+    """Refuse what was made for another model than `cfg` (a head, predictors, KNN-SSD sets), naming
+    each difference: `lead` says what and how, e.g. "head H was trained"."""
+    want = fingerprint(cfg)
+    diff = [f"{k} {got.get(k)} (this model: {want.get(k)})" for k in sorted(want.keys() | got.keys())
+            if got.get(k) != want.get(k)]
+    if diff:
+        raise JspecError(f"{lead} for another model: " + ", ".join(diff))
+
+
 def save(path: str | os.PathLike, hp: dict, meta: dict) -> Path:
     """Write the head folder atomically (a temporary folder renamed into place)."""
     path = Path(path).absolute()
@@ -134,10 +144,7 @@ def load(path: str | os.PathLike, cfg: ModelConfig, mesh: Mesh | None = None) ->
     """
     path = Path(path).absolute()
     meta = read_meta(path)
-    want, got = fingerprint(cfg), meta["model"]
-    diff = [f"{k} {got.get(k)} (this model: {v})" for k, v in want.items() if got.get(k) != v]
-    if diff:
-        raise JspecError(f"head {path} was trained for another model: " + ", ".join(diff))
+    check_fingerprint(meta["model"], cfg, f"head {path} was trained")
     if not 1 <= meta["exit_layer"] < cfg.num_layers:
         raise JspecError(f"head {path} exits at layer {meta['exit_layer']}, outside this model's layers")
     target = store.saved_tree(path / "params")

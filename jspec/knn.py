@@ -65,7 +65,7 @@ class Knn:
 
     def dparams(self, cfg: ModelConfig, domain: str | None = None) -> dict:
         """The knn-ssd drafter's data; `domain` forces that domain's set on every prompt."""
-        check_model(self.model, cfg, "these KNN-SSD anchors and skip sets")
+        heads.check_fingerprint(self.model, cfg, "these KNN-SSD anchors and skip sets were made")
         names = self.names()
         if domain is not None and domain not in names:
             raise JspecError(f"no domain {domain!r} in the KNN-SSD folder; it has {', '.join(names)}")
@@ -73,13 +73,6 @@ class Knn:
         unit = self.anchors / np.maximum(np.linalg.norm(self.anchors, axis=-1, keepdims=True), 1e-12)
         return {"anchors": jnp.asarray(unit, jnp.float32), "anchor_domain": jnp.asarray(chosen, jnp.int32),
                 "skip": jnp.asarray(np.stack([s.mask(cfg.num_layers) for s in self.sets]))}
-
-
-def check_model(fingerprint: dict, cfg: ModelConfig, what: str) -> None:
-    if fingerprint != heads.fingerprint(cfg):
-        raise JspecError(f"{what} were made for another model ({fingerprint.get('arch')}, "
-                         f"{fingerprint.get('num_layers')} layers, hidden size {fingerprint.get('hidden_size')}), "
-                         f"not this {cfg.arch} with {cfg.num_layers} layers and hidden size {cfg.hidden_size}")
 
 
 def save(path: str | os.PathLike, knn: Knn) -> Path:

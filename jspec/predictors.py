@@ -83,10 +83,7 @@ def load(path: str | os.PathLike, cfg: ModelConfig) -> tuple[dict, dict]:
     meta = json.loads((path / "predictors.json").read_text())
     if meta.get("format") != FORMAT:
         raise JspecError(f"predictors {path} have format {meta.get('format')}; this jspec reads format {FORMAT}")
-    want, got = heads.fingerprint(cfg), meta["model"]
-    diff = [f"{k} {got.get(k)} (this model: {v})" for k, v in want.items() if got.get(k) != v]
-    if diff:
-        raise JspecError(f"predictors {path} were trained for another model: " + ", ".join(diff))
+    heads.check_fingerprint(meta["model"], cfg, f"predictors {path} were trained")
     depths = meta["depths"]
     if not depths or depths[0] < 1 or depths[-1] >= cfg.num_layers or depths != list(range(depths[0], depths[-1] + 1)):
         raise JspecError(f"predictors {path} cover depths {depths}, not consecutive depths inside this model")

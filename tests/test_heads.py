@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -105,11 +106,12 @@ def test_teacher_forced_data_covers_the_prompt_text_and_resumes(lm, tmp_path):
     assert len(d["tokens"]) == 40 and (d["prompt_lens"] == 1).all()  # token ids: every next token a target
     lens = np.array([min(len(p["token_ids"]), 16) for p in prompts])
     assert sorted(d["answer_lens"].tolist()) == sorted((lens - 1).tolist())
-    for row, a, top in zip(d["tokens"], d["answer_lens"], d["top_ids"]):
-        # teacher-forced: the target of position i is the text's token i + 1, and the teacher's
-        # top-1 at i is the model's greedy next token after the text up to i
-        logits = np.asarray(_full_logits(lm, row[:a + 1]))
-        np.testing.assert_array_equal(top[:a, 0], logits[:a].argmax(-1))
+    # teacher-forced: the target of position i is the text's token i + 1, and the teacher's top-1
+    # at i is the model's greedy next token after the text up to i (one causal forward over the
+    # padded rows: what follows a row's text cannot move its logits)
+    greedy = np.asarray(_full_logits(lm, d["tokens"])).argmax(-1)
+    for row_greedy, a, top in zip(greedy, d["answer_lens"], d["top_ids"]):
+        np.testing.assert_array_equal(top[:a, 0], row_greedy[:a])
     shards = sorted(folder.glob("shard-*.npz"))
     assert len(shards) == 3
     kept = shards[0].stat().st_mtime_ns
@@ -124,10 +126,12 @@ def test_teacher_forced_data_covers_the_prompt_text_and_resumes(lm, tmp_path):
 
 
 def _full_logits(lm, tokens):
+    """Logits [B, T, V] of token rows [B, T], each from position 0."""
     from jspec import model as M
 
-    h, _ = M.forward(lm.params, lm.cfg, tokens[None], None, M.KVCache.zeros(lm.cfg, 1, len(tokens)))
-    return M.logits(lm.params, lm.cfg, h)[0]
+    b, t = tokens.shape
+    h, _ = M.forward(lm.params, lm.cfg, jnp.asarray(tokens, jnp.int32), None, M.KVCache.zeros(lm.cfg, b, t))
+    return M.logits(lm.params, lm.cfg, h)
 
 
 def test_split_never_puts_a_prompt_on_both_sides(lm, data, tmp_path):
@@ -188,9 +192,9 @@ def test_saved_head_restores_bit_identically(lm, tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("early_stopping", [{}, {"eval_every": 2, "patience": 3}])
-def test_resume_after_interrupt_continues_from_last_checkpoint(lm, data, tmp_path, early_stopping):
-    recipe = train.Recipe(**{**RECIPE.__dict__, "steps": 12, "save_every": 4, **early_stopping})
+def test_resume_after_interrupt_continues_from_last_checkpoint(lm, data, tmp_path):
+    """With held-out evaluation on, so the early-stopping state (best loss, patience) resumes too."""
+    recipe = train.Recipe(**{**RECIPE.__dict__, "steps": 12, "save_every": 4, "eval_every": 2, "patience": 3})
     ref_path, ref_summary = train.train(lm, data, tmp_path / "ref", recipe, progress=False)
 
     def interrupt(step, metrics):

@@ -225,11 +225,12 @@ def test_load_refuses_a_bad_mesh_before_loading(tmp_path):
 @pytest.mark.slow
 def test_shipped_heads_on_a_mesh_give_the_unsharded_tokens(default_model):
     """The issue's command, `--method eesd --mesh data=2,model=4`, on the default model: the
-    unsharded tokens (those of `ar`: the heads are lossless, test_heads.py checks it unsharded)."""
+    unsharded tokens (those of `ar`: the heads are lossless, test_heads.py checks it unsharded).
+    Kangaroo's shipped head has the same kinds of leaves; test_head_saved_on_one_device_drafts_on_a_mesh
+    places both kinds."""
     m = jspec.load(mesh="data=2,model=4")
     prompts = ["Name three primes.", "What is 12 times 7?"]
     expected = [r["token_ids"] for r in default_model.generate(prompts, max_new_tokens=16)]
-    for method in heads.KINDS:
-        got = m.generate(prompts, method=method, max_new_tokens=16)
-        assert [r["token_ids"] for r in got] == expected
-        assert sum(r["stats"]["accepted"] for r in got) > 0
+    got = m.generate(prompts, method="eesd", max_new_tokens=16)
+    assert [r["token_ids"] for r in got] == expected
+    assert sum(r["stats"]["accepted"] for r in got) > 0

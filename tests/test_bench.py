@@ -16,11 +16,9 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import tiny_hf_model
 from jspec import api, bench, heads, methods
 from jspec.bench import report as bench_report
 from jspec.cli import main
-from jspec.convert import store
 from jspec.errors import JspecError
 
 QUESTIONS = [
@@ -41,13 +39,8 @@ def _cache(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, default_tokenizer) -> str:
-    """A converted 4-layer random Llama with SmolLM2's tokenizer; its HF folder is the --hf source."""
-    root = tmp_path_factory.mktemp("bench-tiny")
-    tiny_hf_model("llama", seed=1, vocab_size=len(default_tokenizer), num_hidden_layers=4).save_pretrained(root / "hf")
-    out = store.convert(str(root / "hf"), root / "jspec")
-    default_tokenizer.save(out)
-    return str(out)
+def tiny(tiny_chat_model) -> str:
+    return str(tiny_chat_model)
 
 
 @pytest.fixture

@@ -276,27 +276,28 @@ def test_shipped_heads_are_lossless_on_the_default_model(default_model, method):
         assert sum(r["stats"]["accepted"] for r in out) > 0.2 * sum(r["stats"]["drafted"] for r in out) > 0
 
 
-@pytest.mark.slow
-def test_cli_distill_train_generate_on_the_default_model(default_model, tmp_path, capsys):
-    """The whole path from the command line: distill-data, train-head, generate with the head."""
+def test_cli_distill_train_generate(tiny_chat_model, tmp_path, capsys):
+    """The whole path from the command line, text prompts through a chat template: distill-data,
+    train-head, generate with the head (the tokens of ar: the head is lossless)."""
+    model = ["--model", str(tiny_chat_model)]
     prompts = tmp_path / "train.jsonl"
     prompts.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in
                                enumerate(["Say hi.", "Count to three.", "Name a colour."])))
     data, head = tmp_path / "data", tmp_path / "head"
-    assert main(["distill-data", "--prompts", str(prompts), "--out", str(data), "--count", "3",
+    assert main(["distill-data", *model, "--prompts", str(prompts), "--out", str(data), "--count", "3",
                  "--max-new-tokens", "8", "--max-prompt-tokens", "64", "--batch-size", "4",
                  "--shard-size", "2"]) == 0
     assert len(list(data.glob("shard-*.npz"))) == 2
     # The held-out split is by prompt, seeded: take a seed that holds out one of the three.
     keys = train.load_data([data])[1]["prompt_key"]
     seed = next(s for s in range(100) if len(train.split(keys, 0.34, s)[1]) == 1)
-    assert main(["train-head", "--kind", "kangaroo", "--exit-layer", "2", "--data", str(data), "--out", str(head),
-                 "--steps", "2", "--batch-size", "2", "--eval-fraction", "0.34", "--seed", str(seed),
-                 "--draft-vocab", "512"]) == 0
+    assert main(["train-head", *model, "--kind", "kangaroo", "--exit-layer", "2", "--data", str(data),
+                 "--out", str(head), "--steps", "2", "--batch-size", "2", "--eval-fraction", "0.34",
+                 "--seed", str(seed), "--draft-vocab", "512"]) == 0
     assert heads.read_meta(head)["draft_vocab"] == 512
     capsys.readouterr()
-    assert main(["generate", "Name three primes.", "--max-new-tokens", "12"]) == 0
+    assert main(["generate", *model, "Name three primes.", "--max-new-tokens", "12"]) == 0
     ar = capsys.readouterr().out
-    assert main(["generate", "Name three primes.", "--max-new-tokens", "12", "--method", "kangaroo",
+    assert main(["generate", *model, "Name three primes.", "--max-new-tokens", "12", "--method", "kangaroo",
                  "--head", str(head)]) == 0
     assert capsys.readouterr().out == ar

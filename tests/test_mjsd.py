@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import math
 
 import jax
@@ -237,15 +238,18 @@ def test_cli_warns_that_mjsd_is_lossy(capsys, tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_default_model(capsys, default_model):
-    """The shipped EESD head drafts on the default model, beam sampling on the command line and
-    beam search through the API; every record counts its accepted tokens."""
+def test_cli_default_model(capsys, default_model, tmp_path):
+    """The shipped EESD head drafts on the default model, beam sampling from the command line; the
+    record counts its accepted tokens."""
     from jspec.cli import main
 
-    code = main(["generate", "Name three primes.", "--method", "mjsd", "--max-new-tokens", "24",
-                 "--beam-width", "2", "--accept-threshold", "0.3", "--temperature", "0.8", "--top-p", "0.9"])
-    out, err = capsys.readouterr()
+    prompts, output = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+    prompts.write_text('{"prompt": "Name three primes."}\n')
+    code = main(["generate", "--prompts", str(prompts), "--output", str(output), "--method", "mjsd",
+                 "--max-new-tokens", "24", "--beam-width", "2", "--accept-threshold", "0.3",
+                 "--temperature", "0.8", "--top-p", "0.9"])
+    err = capsys.readouterr().err
     assert code == 0, err
-    assert out.strip() and "lossy" in err
-    [r] = default_model.generate("Name three primes.", method="mjsd", max_new_tokens=24)
-    assert r["stats"]["mean_accepted_tokens"] >= 1.0 and r["stats"]["drafted"] > 0
+    assert "lossy" in err
+    [r] = [json.loads(line) for line in output.read_text().splitlines()]
+    assert r["text"].strip() and r["stats"]["mean_accepted_tokens"] >= 1.0 and r["stats"]["drafted"] > 0

@@ -189,16 +189,16 @@ def default_model():
 
 
 @pytest.fixture(scope="session")
-def tiny_chat_model(tmp_path_factory, default_tokenizer) -> Path:
-    """A converted 4-layer random Llama with SmolLM2's tokenizer and chat template, for command
-    lines that take text; its HF folder, beside it as ../hf, is an HF peer's source."""
+def tiny_chat_model(tmp_path_factory, default_tokenizer) -> str:
+    """The folder of a converted 4-layer random Llama with SmolLM2's tokenizer and chat template,
+    for command lines that take text; its HF folder, beside it as ../hf, is an HF peer's source."""
     from jspec.convert import store
 
     root = tmp_path_factory.mktemp("tiny-chat")
     tiny_hf_model("llama", seed=1, vocab_size=len(default_tokenizer), num_hidden_layers=4).save_pretrained(root / "hf")
     out = store.convert(str(root / "hf"), root / "jspec")
     default_tokenizer.save(out)
-    return out
+    return str(out)
 
 
 @pytest.fixture(scope="session")
@@ -218,7 +218,7 @@ def default_tokenizer():
 
 # The suite runs on two xdist workers that take whole files (pyproject.toml). Handing out the
 # longest files first keeps both busy to the end; xdist's own order (most tests first) left the
-# one-test notebook file, two minutes, to run alone last. Seconds on one worker, 2026-11-23.
+# one-test notebook file, two minutes, to run alone last. Ordered by the 2026-11-23 runs' --durations.
 LONGEST_FIRST = ["test_spec.py", "test_heads.py", "test_notebook.py", "test_sharding.py", "test_generate.py",
                  "test_mjsd.py", "test_knn_ssd.py", "test_bench.py", "test_native.py", "test_specee.py",
                  "test_tokenizer.py", "test_distributed.py"]

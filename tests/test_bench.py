@@ -38,11 +38,6 @@ def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "cache"))
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_chat_model) -> str:
-    return str(tiny_chat_model)
-
-
 @pytest.fixture
 def questions(tmp_path) -> Path:
     path = tmp_path / "questions.jsonl"
@@ -65,11 +60,11 @@ def by_key(rows):
     return {(r["method"], r["batch_size"], r["id"]): r for r in rows}
 
 
-def test_bench_end_to_end(capsys, tiny, questions, tmp_path):
+def test_bench_end_to_end(capsys, tiny_chat_model, questions, tmp_path):
     out, md, img = tmp_path / "res" / "results.jsonl", tmp_path / "docs" / "benchmarks.md", tmp_path / "docs" / "img"
     md.parent.mkdir()
     md.write_text(OUTER)
-    common = ["--model", tiny, "--prompts", questions, "--limit", 2, "--max-new-tokens", 6, "--output", out]
+    common = ["--model", tiny_chat_model, "--prompts", questions, "--limit", 2, "--max-new-tokens", 6, "--output", out]
     code, stdout, err = run(capsys, *common, "--methods", "ngram,early-exit:exit_layer=2", "--batch-sizes", "1,2",
                             "--hf-assisted", "--markdown", md, "--plots", img)
     assert code == 0, err
@@ -134,11 +129,11 @@ def test_bench_end_to_end(capsys, tiny, questions, tmp_path):
     assert len(resumed) == 6 and all(resumed[k] == again[k] for k in list(resumed)[:3])
 
 
-def test_resume_refuses_other_settings(capsys, tiny, questions, tmp_path):
+def test_resume_refuses_other_settings(capsys, tiny_chat_model, questions, tmp_path):
     out = tmp_path / "r.jsonl"
-    out.write_text(json.dumps({"method": "ar", "batch_size": 1, "id": 1, "model": tiny, "dtype": "float32",
+    out.write_text(json.dumps({"method": "ar", "batch_size": 1, "id": 1, "model": tiny_chat_model, "dtype": "float32",
                                "max_new_tokens": 99, "chat": True, "token_ids": [1]}) + "\n")
-    code, _, err = run(capsys, "--model", tiny, "--prompts", questions, "--output", out, "--resume",
+    code, _, err = run(capsys, "--model", tiny_chat_model, "--prompts", questions, "--output", out, "--resume",
                        "--max-new-tokens", 4)
     assert code == 2 and "other settings" in err and "max_new_tokens" in err
 
@@ -157,8 +152,8 @@ def test_resume_refuses_other_settings(capsys, tiny, questions, tmp_path):
     (["--prompts", "missing.jsonl"], "prompts file missing.jsonl does not exist"),
     (["--methods", "early-exit:exit_layer=9"], "--exit-layer must be between 1 and 3"),
 ])
-def test_bad_input_is_one_line(capsys, tiny, questions, tmp_path, args, message):
-    base = ["--model", tiny, "--output", tmp_path / "o.jsonl"]
+def test_bad_input_is_one_line(capsys, tiny_chat_model, questions, tmp_path, args, message):
+    base = ["--model", tiny_chat_model, "--output", tmp_path / "o.jsonl"]
     if "--prompts" not in args:
         base += ["--prompts", questions]
     code, out, err = run(capsys, *base, *args)
@@ -215,21 +210,21 @@ def test_accelerator_script_runs_every_method():
 
 
 @pytest.mark.slow  # about 30 s on 2 cores: 3 methods x 2 batch sizes compile
-def test_accelerator_script_on_cpu(tiny, tmp_path):
+def test_accelerator_script_on_cpu(tiny_chat_model, tmp_path):
     """benchmarks/accelerator.sh shrunk by its environment (the tiny model, three methods, one with
     an option in its label, 2 prompts, 3 tokens): the page names the device and the date and has a
     row for every method at batch 1 and 8."""
     bindir = Path(sys.executable).parent
     if shutil.which("jspec", path=str(bindir)) is None:
         pytest.skip(f"no jspec script beside {sys.executable} for benchmarks/accelerator.sh to run")
-    model = api.load(tiny)
+    model = api.load(tiny_chat_model)
     vocab = np.arange(model.cfg.vocab_size, dtype=np.int32)
     head = heads.save(tmp_path / "kangaroo", heads.init(model.params, model.cfg, "kangaroo", 2, vocab),
                       {"kind": "kangaroo", "exit_layer": 2, "model": heads.fingerprint(model.cfg)})
     labels = ["ar", f"kangaroo:head={head}", "ngram"]
     prompts, page = tmp_path / "prompts.jsonl", tmp_path / "docs" / "accelerator.md"
     prompts.write_text('{"prompt": "Name three primes."}\n{"prompt": "Describe a cat.", "category": "x"}\n')
-    env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", "MODEL": tiny,
+    env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", "MODEL": tiny_chat_model,
            "METHODS": ",".join(labels), "PROMPTS": str(prompts), "LIMIT": "", "MAX_NEW_TOKENS": "3",
            "OUTPUT": str(tmp_path / "results.jsonl"), "PAGE": str(page)}
     proc = subprocess.run(["bash", str(ACCELERATOR_SH)], env=env, capture_output=True, text=True, timeout=600)

@@ -276,10 +276,11 @@ def test_shipped_heads_are_lossless_on_the_default_model(default_model, method):
         assert sum(r["stats"]["accepted"] for r in out) > 0.2 * sum(r["stats"]["drafted"] for r in out) > 0
 
 
+@pytest.mark.slow
 def test_cli_distill_train_generate(tiny_chat_model, tmp_path, capsys):
     """The whole path from the command line, text prompts through a chat template: distill-data,
     train-head, generate with the head (the tokens of ar: the head is lossless)."""
-    model = ["--model", str(tiny_chat_model)]
+    model = ["--model", tiny_chat_model]
     prompts = tmp_path / "train.jsonl"
     prompts.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in
                                enumerate(["Say hi.", "Count to three.", "Name a colour."])))

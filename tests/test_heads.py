@@ -261,7 +261,9 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.parametrize("method", heads.KINDS)
 def test_shipped_heads_are_lossless_on_the_default_model(default_model, method):
-    """The heads in checkpoints/ load by default and give ar's tokens (batch 1 and 2), drafting well."""
+    """The heads in checkpoints/ load by default and give ar's tokens, drafting well. Batch 1 only:
+    rows with their own acceptance are checked on tiny models (test_spec) and with the shipped
+    `eesd` head at batch 2 on a mesh (test_sharding)."""
     from jspec.methods import shipped
 
     assert shipped(default_model, method) is not None, "no shipped head in checkpoints/"
@@ -269,11 +271,10 @@ def test_shipped_heads_are_lossless_on_the_default_model(default_model, method):
     assert meta["kind"] == method and meta["model"] == heads.fingerprint(default_model.cfg)
     prompts = ["Write a haiku about the sea.", "What is 12 times 7? Explain."]
     ar = default_model.generate(prompts, max_new_tokens=48)
-    for batch in (1, 2):
-        out = default_model.generate(prompts, method=method, max_new_tokens=48, batch_size=batch)
-        assert [r["token_ids"] for r in out] == [r["token_ids"] for r in ar]
-        assert all(r["stats"]["drafted"] <= r["stats"]["rounds"] - 1 for r in out)  # K = 1 on a CPU
-        assert sum(r["stats"]["accepted"] for r in out) > 0.2 * sum(r["stats"]["drafted"] for r in out) > 0
+    out = default_model.generate(prompts, method=method, max_new_tokens=48)
+    assert [r["token_ids"] for r in out] == [r["token_ids"] for r in ar]
+    assert all(r["stats"]["drafted"] <= r["stats"]["rounds"] - 1 for r in out)  # K = 1 on a CPU
+    assert sum(r["stats"]["accepted"] for r in out) > 0.2 * sum(r["stats"]["drafted"] for r in out) > 0
 
 
 @pytest.mark.slow

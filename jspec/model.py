@@ -33,6 +33,7 @@ copy (28M parameters, a fifth of SmolLM2-135M).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Mapping, Sequence
 
@@ -99,7 +100,29 @@ def _write(cache_layer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Arra
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid: jax.Array | None = None) -> jax.Array:
     """q [B, T, K, G, H] over cache k, v [B, S, K, H]; query at position p sees keys 0..p, and of
-    those only the `valid` [B, S] ones when given (SpecEE leaves skipped layers' entries out)."""
+    those only the `valid` [B, S] ones when given (SpecEE leaves skipped layers' entries out).
+
+    On a CPU this is jspec's native kernel, which reads the cache in place where XLA transposes
+    all of it first, and gives a query the same bits whatever else the call holds (jspec/native.py)."""
+    if native.takes_attention(q):
+        valid = jnp.ones(k.shape[:2], jnp.bool_) if valid is None else valid
+        return _native_attention(q, k, v, q_pos, valid)
+    return _attention(q, k, v, q_pos, valid)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
+def _native_attention(q, k, v, q_pos, valid):
+    return native.attention(q, k, v, q_pos, valid)
+
+
+@_native_attention.defjvp
+def _native_attention_jvp(q_pos, valid, primals, tangents):
+    # XLA cannot differentiate a foreign call: training a draft head differentiates the JAX path.
+    return jax.jvp(lambda q, k, v: _attention(q, k, v, q_pos, valid), primals, tangents)
+
+
+def _attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid: jax.Array | None) -> jax.Array:
+    """attention() in XLA."""
     scale = q.shape[-1] ** -0.5
     scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) * scale
     visible = jnp.arange(k.shape[1])[None, None, :] <= q_pos[:, :, None]  # [B, T, S]

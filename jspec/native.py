@@ -1,10 +1,13 @@
-"""jspec's native float32 matmul for a few rows on a CPU: jspec/native.cc, called through jax.ffi.
+"""jspec's native CPU kernels, called through jax.ffi: a float32 matmul for a few rows
+(jspec/native.cc) and attention over the KV cache (jspec/native_attention.cc).
 
 XLA:CPU multiplies a few rows by a weight far below what memory bandwidth allows (it repacks
 the weight for a small matmul, and the multiply-and-sum `model.linear` uses instead is compute
-bound); the kernel streams each weight once per 16 rows on AVX2 + FMA (docs/design.md, "Few
-rows"). `model.linear` asks `takes` at trace time, so a program compiled with the kernel keeps
-it: call jax.clear_caches() after changing `enabled`.
+bound); the matmul streams each weight once per 16 rows on AVX2 + FMA (docs/design.md, "Few
+rows"). Its attention transposes the whole cache of every layer before multiplying; the
+attention kernel reads the cache in place (docs/design.md, "Attention on a CPU"). `model.linear`
+and `model.attention` ask `takes` and `takes_attention` at trace time, so a program compiled
+with the kernels keeps them: call jax.clear_caches() after changing `enabled`.
 
 The kernel is optional. It is not used when the extension was not built (pip install prints
 why), when the CPU lacks AVX2 or FMA, or when JSPEC_NATIVE=0 is set; `unavailable` says which.
@@ -19,6 +22,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 TARGETS = {jnp.dtype(jnp.float32): "jspec_matmul", jnp.dtype(jnp.bfloat16): "jspec_matmul_bf16"}
 # The float32 rows it is used for (docs/design.md, "Few rows"): one row is XLA's own
@@ -27,6 +31,10 @@ TARGETS = {jnp.dtype(jnp.float32): "jspec_matmul", jnp.dtype(jnp.bfloat16): "jsp
 # whole weight before its matmul, and its multiply-and-sum ran 13x slower inside the decoding
 # loop than alone; and the kernel gives a row the same bits at every row count.
 MIN_ROWS, MAX_ROWS = 2, 32
+# Query positions per row the attention kernel takes: decode steps, verifications and beams. A
+# prefill's blocks of 64 stay XLA's, whose matmuls were faster there (docs/benchmarks.md,
+# "Attention kernel": 0.83x with the kernel over one 896-token prompt).
+MAX_QUERIES = 32
 
 
 def _load() -> str | None:
@@ -46,6 +54,7 @@ def _load() -> str | None:
         return "this CPU lacks AVX2 or FMA"
     jax.ffi.register_ffi_target(TARGETS[jnp.dtype(jnp.float32)], jax.ffi.pycapsule(lib.JspecMatmul), platform="cpu")
     jax.ffi.register_ffi_target(TARGETS[jnp.dtype(jnp.bfloat16)], jax.ffi.pycapsule(lib.JspecMatmulBf16), platform="cpu")
+    jax.ffi.register_ffi_target("jspec_attention", jax.ffi.pycapsule(lib.JspecAttention), platform="cpu")
     return None
 
 
@@ -74,3 +83,20 @@ def _matmul_jvp(primals, tangents):
     # transpose it too: gradients through `linear` (training a draft head) work.
     (x, w), (dx, dw) = primals, tangents
     return matmul(x, w), dx @ w.T + x @ dw.T
+
+
+def takes_attention(q: jax.Array) -> bool:
+    """Whether `model.attention` runs the attention kernel for queries q [B, T, K, G, H]."""
+    return enabled and q.dtype == jnp.float32 and q.shape[1] <= MAX_QUERIES and jax.default_backend() == "cpu"
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid: jax.Array) -> jax.Array:
+    """q [B, T, K, G, H] over the cache k, v [B, S, K, H] (float32): query (b, t) sees keys
+    j <= q_pos[b, t] with valid[b, j]. Returns [B, T, K, G, H] float32. No derivative:
+    `model.attention` gives it the JAX path's."""
+    b, t, kv, g, h = q.shape
+    if k.shape != (b, k.shape[1], kv, h) or v.shape != k.shape or q_pos.shape != (b, t) or valid.shape != k.shape[:2]:
+        raise ValueError(f"native.attention needs q [B, T, K, G, H], k and v [B, S, K, H], q_pos [B, T] and "
+                         f"valid [B, S], got {q.shape}, {k.shape}, {v.shape}, {q_pos.shape} and {valid.shape}")
+    call = jax.ffi.ffi_call("jspec_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    return call(q, k, v, q_pos.astype(jnp.int32), valid.astype(jnp.bool_), scale=np.float32(h ** -0.5))

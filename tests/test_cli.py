@@ -338,7 +338,7 @@ def test_env_names_versions_devices_and_cache(capsys, tmp_path, monkeypatch):
     assert rows["jax backend"] == jax.default_backend()
     assert rows["jax devices"] == f"{jax.device_count()} (cpu)"  # conftest's 8 simulated CPU devices
     assert rows["default model"].endswith(str(cache.default_gguf()))
-    assert rows["native kernel"].startswith("not used: " if jspec.native.unavailable else "used for ")
+    assert rows["native kernel"].startswith("not used: " if jspec.native.unavailable else "used on a CPU for ")
     assert f"JSPEC_CACHE={folder}" in rows["environment"]
     assert rows["cache"] == str(folder)
     assert rows["  tiny-float32"].startswith(f"float32, format {store.FORMAT}, 2.0 MB")

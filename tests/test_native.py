@@ -1,6 +1,7 @@
-"""jspec's native few-rows matmul (jspec/native.py), for float32 and bfloat16 weights: it equals the JAX path, `model.linear` takes
-it only where it should, generation with it emits the same tokens as without, and jspec runs
-without it (JSPEC_NATIVE=0).
+"""jspec's native kernels (jspec/native.py): the few-rows matmul, for float32 and bfloat16 weights, and attention
+over the KV cache. Each equals the JAX path and gives a row (a query) the same bits whatever else
+the call holds, `model.linear` and `model.attention` take them only where they should, generation
+with them emits the same tokens as without, and jspec runs without them (JSPEC_NATIVE=0).
 
 Tests that need the kernel skip, with the reason, when it is unavailable (not built, no AVX2,
 JSPEC_NATIVE=0). The choice is made at trace time, so each switch clears jax's caches.
@@ -92,6 +93,74 @@ def test_linear_fallback_equals_kernel(kernel, monkeypatch, dtype):
     with_kernel = np.asarray(jax.jit(M.linear)(x, w))
     use_native(monkeypatch, False)
     np.testing.assert_allclose(np.asarray(jax.jit(M.linear)(x, w)), with_kernel, atol=1e-5)
+
+
+def attention_inputs(b, t, kv, g, h, s, seed):
+    rng = np.random.default_rng(seed)
+    q, k, v = random((b, t, kv, g, h), seed), random((b, s, kv, h), seed + 1), random((b, s, kv, h), seed + 2)
+    q_pos = jnp.asarray(rng.integers(0, s + 2, (b, t)), jnp.int32)  # past the cache's end sees all of it
+    valid = jnp.asarray(rng.random((b, s)) > 0.3).at[:, 0].set(True)
+    return q, k, v, q_pos, valid
+
+
+# (B, T, kv heads, G, H, S): a decode step, a verification, a prefill block; odd head dims.
+ATTENTION_SHAPES = [(1, 1, 3, 3, 64, 50), (2, 5, 3, 3, 64, 40), (3, 17, 2, 2, 13, 30), (2, 40, 1, 4, 9, 70),
+                    (1, 3, 2, 1, 128, 9)]
+
+
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES)
+def test_attention_equals_jax(kernel, shape):
+    q, k, v, q_pos, valid = attention_inputs(*shape, seed=0)
+    for mask in (jnp.ones_like(valid), valid):
+        got = jax.jit(native.attention)(q, k, v, q_pos, mask)
+        want = M._attention(q, k, v, q_pos, mask)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+
+
+def test_attention_over_chunks_equals_jax(kernel):
+    """A cache of several 128-key chunks, queries seeing some of them: the partial softmaxes combine."""
+    q, k, v, _, valid = attention_inputs(2, 3, 2, 2, 16, 300, seed=5)
+    q_pos = jnp.asarray([[5, 130, 299], [256, 257, 40]], jnp.int32)
+    got = jax.jit(native.attention)(q, k, v, q_pos, valid)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(M._attention(q, k, v, q_pos, valid)), atol=1e-5, rtol=0)
+
+
+def test_attention_query_gets_the_same_bits_in_any_call(kernel):
+    """A query alone, among the K + 1 of a verification, in a batch, over a longer cache."""
+    q, k, v, q_pos, valid = attention_inputs(4, 9, 3, 3, 64, 60, seed=1)
+    q_pos = jnp.minimum(q_pos, 40)
+    full = np.asarray(jax.jit(native.attention)(q, k, v, q_pos, valid))
+    for b, t in [(0, 0), (2, 5), (3, 8)]:
+        alone = jax.jit(native.attention)(q[b:b + 1, t:t + 1], k[b:b + 1], v[b:b + 1], q_pos[b:b + 1, t:t + 1],
+                                          valid[b:b + 1])
+        np.testing.assert_array_equal(np.asarray(alone)[0, 0], full[b, t])
+    shorter = jax.jit(native.attention)(q, k[:, :41], v[:, :41], q_pos, valid[:, :41])
+    np.testing.assert_array_equal(np.asarray(shorter), full)
+
+
+def test_attention_gradient_is_the_jax_one(kernel):
+    q, k, v, q_pos, valid = attention_inputs(2, 3, 2, 2, 8, 12, seed=2)
+    loss = lambda f: lambda q, k, v: jnp.sum(jnp.tanh(f(q, k, v, q_pos, valid)))
+    got = jax.grad(loss(M.attention), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(loss(M._attention), argnums=(0, 1, 2))(q, k, v)
+    for g, e in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), atol=1e-5)
+
+
+def test_attention_takes_the_kernel_up_to_max_queries(kernel, monkeypatch):
+    def calls(t):
+        q, k, v, q_pos, _ = attention_inputs(1, t, 1, 2, 8, 40, seed=3)
+        return "jspec_attention" in str(jax.make_jaxpr(M.attention)(q, k, v, q_pos))
+
+    assert calls(1) and calls(native.MAX_QUERIES) and not calls(native.MAX_QUERIES + 1)
+    use_native(monkeypatch, False)
+    assert not calls(1)
+
+
+def test_attention_bad_shapes_are_refused(kernel):
+    q, k, v, q_pos, valid = attention_inputs(1, 2, 1, 2, 8, 6, seed=4)
+    with pytest.raises(ValueError, match="native.attention needs"):
+        native.attention(q, k[:, :, :, :4], v, q_pos, valid)
 
 
 # (method, options, batch size): one row, K + 1 rows and four rows of K + 1.

@@ -104,7 +104,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid:
 
     On a CPU this is jspec's native kernel, which reads the cache in place where XLA transposes
     all of it first, and gives a query the same bits whatever else the call holds (jspec/native.py)."""
-    if native.takes_attention(q):
+    if native.takes_attention(q, k, v):
         valid = jnp.ones(k.shape[:2], jnp.bool_) if valid is None else valid
         return _native_attention(q, k, v, q_pos, valid)
     return _attention(q, k, v, q_pos, valid)

@@ -9,8 +9,9 @@ attention kernel reads the cache in place (docs/design.md, "Attention on a CPU")
 and `model.attention` ask `takes` and `takes_attention` at trace time, so a program compiled
 with the kernels keeps them: call jax.clear_caches() after changing `enabled`.
 
-The kernel is optional. It is not used when the extension was not built (pip install prints
-why), when the CPU lacks AVX2 or FMA, or when JSPEC_NATIVE=0 is set; `unavailable` says which.
+The kernels are optional. They are not used when the extension was not built (pip install
+prints why), when the CPU lacks AVX2 or FMA, or when JSPEC_NATIVE=0 is set; `unavailable` says
+which.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ TARGETS = {jnp.dtype(jnp.float32): "jspec_matmul", jnp.dtype(jnp.bfloat16): "jsp
 MIN_ROWS, MAX_ROWS = 2, 32
 # Query positions per row the attention kernel takes: decode steps, verifications and beams. A
 # prefill's blocks of 64 stay XLA's, whose matmuls were faster there (docs/benchmarks.md,
-# "Attention kernel": 0.83x with the kernel over one 896-token prompt).
+# "Attention kernel": 0.83-0.92x with the kernel over one 896-token prompt).
 MAX_QUERIES = 32
 
 
@@ -85,9 +86,10 @@ def _matmul_jvp(primals, tangents):
     return matmul(x, w), dx @ w.T + x @ dw.T
 
 
-def takes_attention(q: jax.Array) -> bool:
-    """Whether `model.attention` runs the attention kernel for queries q [B, T, K, G, H]."""
-    return enabled and q.dtype == jnp.float32 and q.shape[1] <= MAX_QUERIES and jax.default_backend() == "cpu"
+def takes_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
+    """Whether `model.attention` runs the attention kernel for queries q [B, T, K, G, H] over k, v."""
+    float32 = q.dtype == k.dtype == v.dtype == jnp.float32
+    return enabled and float32 and q.shape[1] <= MAX_QUERIES and jax.default_backend() == "cpu"
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid: jax.Array) -> jax.Array:

@@ -5,14 +5,14 @@
 // Why not XLA: its dot contracts over (row, kv head) pairs, so XLA:CPU first transposes every
 // layer's whole cache to [B, K, S, H], reading and writing it once more per step; at batch 8
 // over a long prompt that was most of a decode step (docs/design.md, "Attention on a CPU"). Here
-// the cache is read in place, once per block of queries of one (row, kv head), and only up to
-// the last position a query of that block sees.
+// each chunk of 128 cache positions is read once per block of 16 query positions of a row (all
+// kv heads), and only up to the last position a query of that block sees.
 //
 // Every output is computed the same way whatever else the call holds: a score is 8 lanes along
-// H then the same sum of the lanes, the softmax runs over the visible keys in position order, and
-// the weighted sum of values adds them in position order. So a query gets the same bits alone,
-// among the K + 1 of a verification, in a batch, or in a prefill block: attention is batch
-// invariant by construction.
+// H then the same sum of the lanes, a chunk's softmax runs over its visible keys in position
+// order, the weighted sum of values adds them in position order, and the chunks combine in
+// order. So a query gets the same bits alone, among the K + 1 of a verification, in a batch, or
+// over a longer cache: attention is batch invariant by construction.
 
 #include <immintrin.h>
 

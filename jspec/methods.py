@@ -52,9 +52,9 @@ EXIT_THRESHOLD = 0.9
 # K fixes the verification width (K + 1 positions every round, whatever the controller stops at).
 # On a CPU, before the native kernel, a forward over 2 or 3 positions cost 1.5 decode steps and
 # over 5 about 2.1 (benchmarks/forward_cost.py), so with the trained heads' agreement (about 0.45)
-# K = 1 was the fastest there, a little ahead of K = 2 (docs/heads.md). The kernel brought 2
-# positions to 1.06-1.28 steps and 5 to 1.27-1.50 (docs/benchmarks.md, "Few rows"); K has not
-# been re-picked since. Accelerators verify a few positions for about one step's price.
+# K = 1 was the fastest there, a little ahead of K = 2 (docs/heads.md). With the native kernels
+# (2 positions at 1.06-1.28 steps) K = 1 is still the fastest, now by 0.13-0.17x `ar` over K = 2
+# (docs/heads.md, "Draft length"). Accelerators verify a few positions for about one step's price.
 def default_max_draft(method: str) -> int:
     if method in HEAD_METHODS:
         return 1 if jax.default_backend() == "cpu" else 4

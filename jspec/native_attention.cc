@@ -210,8 +210,10 @@ AVX2 void Chunk(const Shapes& n, const float* q, const float* k, const float* v,
     std::copy_n(v + (b * n.s + c0) * key_stride, count * key_stride, vbuf.data());
   }
   for (int64_t kh = 0; kh < n.kv; ++kh) {
-    // partial[query][chunk], query = ((b * T + t) * K + kh) * G + head
-    auto out = [&](int64_t i) { return partial + ((((b * n.t + t0 + i / g) * n.kv + kh) * g + i % g) * chunks + chunk) * stride; };
+    auto out = [&](int64_t i) {
+      const int64_t query = ((b * n.t + t0 + i / g) * n.kv + kh) * g + i % g;
+      return partial + (query * chunks + chunk) * stride;
+    };
     if (count <= 0) {
       for (int64_t i = 0; i < nq; ++i) out(i)[0] = -std::numeric_limits<float>::infinity();
       continue;

@@ -1,4 +1,5 @@
-"""Builds jspec's optional native kernel, jspec/native.cc and native_attention.cc (the rest of the package is in pyproject.toml).
+"""Builds jspec's optional native kernels, jspec/native.cc and native_attention.cc (the rest of
+the package is in pyproject.toml).
 
 jspec works without it: a failed compile is a warning, and jspec/native.py then reports the
 kernel as unavailable and `model.linear` keeps to its pure-JAX path.
@@ -32,8 +33,9 @@ def native_extensions() -> list[Extension]:
         print("jspec: jaxlib not found at build time, so the native kernel is not built")
         return []
     include = os.path.join(spec.submodule_search_locations[0], "include")
-    return [Extension("jspec._native", ["jspec/native.cc", "jspec/native_attention.cc"], include_dirs=[include],
-                      language="c++", extra_compile_args=["-O3", "-std=c++17"])]
+    return [Extension("jspec._native", ["jspec/native.cc", "jspec/native_attention.cc"],
+                      depends=["jspec/native_common.h"], include_dirs=[include], language="c++",
+                      extra_compile_args=["-O3", "-std=c++17"])]
 
 
 setup(ext_modules=native_extensions(), cmdclass={"build_ext": OptionalBuildExt})

@@ -63,13 +63,12 @@ def main() -> None:
     takes = native.takes_attention
     paths = {"kernel": programs(m, True), "xla": programs(m, False)}
     native.takes_attention = takes
-    times = {}
+    keys = [("decode", *s) for s in DECODES] + [("prefill", *s) for s in PREFILLS]
+    times = {(path, key): [] for path in paths for key in keys}
     gaps = {}
-    for key in [("decode", *s) for s in DECODES] + [("prefill", *s) for s in PREFILLS]:
+    for key in keys:
         calls = 3 if key == ("prefill", 1, 896) or key == ("prefill", 8, 128) else CALLS
         out = {}
-        for path, (compiled, decode_args, prefill_args) in paths.items():
-            times[path, key] = []
         state = {path: (decode_args if key[0] == "decode" else prefill_args)(*key[1:])
                  for path, (_, decode_args, prefill_args) in paths.items()}
         for _ in range(calls):
@@ -87,7 +86,7 @@ def main() -> None:
               f"xla {np.median(times['xla', key]) * 1e3:.1f} ms", flush=True)
     print("\n| forward | B | T or P | cache S | attention in XLA, ms | kernel, ms | ratio | max logit gap |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for key in [("decode", *s) for s in DECODES] + [("prefill", *s) for s in PREFILLS]:
+    for key in keys:
         x, k = (float(np.median(times[p, key])) * 1e3 for p in ("xla", "kernel"))
         s = key[3] if key[0] == "decode" else key[2] + 64
         print(f"| {key[0]} | {key[1]} | {key[2]} | {s} | {x:.1f} | {k:.1f} | {x / k:.2f}x | {gaps[key]:.1e} |")

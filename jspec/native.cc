@@ -13,24 +13,13 @@
 // Every output is summed in the same order (8 lanes along D, then the same horizontal sum),
 // whatever the number of rows, the tile it fell in or the thread that ran it: a row gets the same
 // bits alone or in a batch.
-//
-// Only the kernel functions are compiled for AVX2 + FMA (target attributes), so the library
-// loads on any x86-64 CPU and jspec_cpu_supported() tells Python whether it may be used.
 
-#include <immintrin.h>
-
-#include <algorithm>
-#include <atomic>
-#include <cstdint>
-#include <memory>
-#include <thread>
-
-#include "xla/ffi/api/ffi.h"
+#include "native_common.h"
 
 namespace ffi = xla::ffi;
 using Matrix = ffi::Buffer<ffi::F32, 2>;
-
-#define AVX2 __attribute__((target("avx2,fma")))
+using jspec::ParallelFor;
+using jspec::Sum8;
 
 namespace {
 
@@ -38,13 +27,6 @@ constexpr int64_t kTileRows = 4;      // rows of x per register tile
 constexpr int64_t kTileCols = 3;      // weight rows per register tile (4 x 3 = 12 of 16 ymm registers)
 constexpr int64_t kChunkRows = 16;    // rows whose tiles share one pass over 3 weight rows in L1
 constexpr int64_t kBlockCols = 48;    // weight rows a thread claims at a time
-
-AVX2 inline float Sum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // 8 weights from p as float32; Tail reads the last d % 8 of a row, zeros past its end.
 AVX2 inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -121,48 +103,21 @@ AVX2 void Columns(const float* x, const W* w, float* out, int64_t rows, int64_t 
   }
 }
 
-// One call's work, shared with the helpers through a shared_ptr: a helper that XLA's pool starts
-// after the caller has returned finds no block left and only drops its reference.
-template <typename W>
-struct Work {
-  const float* x;
-  const W* w;
-  float* out;
-  int64_t rows, n_total, d, blocks;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  void Run() {
-    for (int64_t b; (b = next.fetch_add(1, std::memory_order_relaxed)) < blocks;) {
-      const int64_t n0 = b * kBlockCols;
-      Columns(x, w, out, rows, n_total, d, n0, std::min(n_total, n0 + kBlockCols));
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
-// WT is the weight's dtype: F32, or BF16 (whose native type is its 16 bits, uint16_t).
+// WT is the weight's dtype: F32, or BF16 (whose native type is its 16 bits, uint16_t). A work
+// item is a block of kBlockCols weight rows.
 template <ffi::DataType WT>
 ffi::Error Matmul(ffi::ThreadPool pool, Matrix x, ffi::Buffer<WT, 2> w, ffi::Result<Matrix> out) {
   using W = ffi::NativeType<WT>;
   const int64_t rows = x.dimensions()[0], d = x.dimensions()[1], n_total = w.dimensions()[0];
   if (w.dimensions()[1] != d) return ffi::Error::InvalidArgument("jspec_matmul: x and w differ in D");
   if (rows == 0 || n_total == 0) return ffi::Error::Success();
-  auto work = std::make_shared<Work<W>>();
-  work->x = x.typed_data();
-  work->w = w.typed_data();
-  work->out = out->typed_data();
-  work->rows = rows;
-  work->n_total = n_total;
-  work->d = d;
-  work->blocks = (n_total + kBlockCols - 1) / kBlockCols;
-  // Blocks are claimed from a counter, not split in halves up front: the caller never waits for
-  // a helper that has not started (no deadlock when the pool is busy), and a core slowed by
-  // another process takes fewer blocks.
-  const int64_t threads = std::min<int64_t>(pool.num_threads(), std::thread::hardware_concurrency());
-  for (int64_t i = 1; i < std::min(threads, work->blocks); ++i) pool.Schedule([work] { work->Run(); });
-  work->Run();
-  while (work->done.load(std::memory_order_acquire) < work->blocks) std::this_thread::yield();
+  const float* xs = x.typed_data();
+  const W* ws = w.typed_data();
+  float* os = out->typed_data();
+  ParallelFor(pool, (n_total + kBlockCols - 1) / kBlockCols, [=](int64_t block) {
+    const int64_t n0 = block * kBlockCols;
+    Columns(xs, ws, os, rows, n_total, d, n0, std::min(n_total, n0 + kBlockCols));
+  });
   return ffi::Error::Success();
 }
 

@@ -14,35 +14,21 @@
 // order. So a query gets the same bits alone, among the K + 1 of a verification, in a batch, or
 // over a longer cache: attention is batch invariant by construction.
 
-#include <immintrin.h>
-
-#include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <cstdint>
 #include <limits>
-#include <memory>
-#include <thread>
 #include <vector>
 
-#include "xla/ffi/api/ffi.h"
+#include "native_common.h"
 
 namespace ffi = xla::ffi;
 using Queries = ffi::Buffer<ffi::F32, 5>;  // q and out [B, T, K, G, H]
 using Cache = ffi::Buffer<ffi::F32, 4>;    // k and v [B, S, K, H]
-
-#define AVX2 __attribute__((target("avx2,fma")))
+using jspec::ParallelFor;
+using jspec::Sum8;
 
 namespace {
 
 constexpr int64_t kBlockQueries = 16;  // query positions t per work item
-
-AVX2 inline float Sum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // The lane sums of 8 vectors, each ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)): the same
 // order for every vector, whichever others share the call.
@@ -190,8 +176,8 @@ constexpr int64_t kChunkKeys = 128;  // a multiple of 8: a chunk's lanes are pos
 
 AVX2 void Chunk(const Shapes& n, const float* q, const float* k, const float* v, const int32_t* pos,
                 const bool* valid, float scale, float* partial, int64_t chunks, int64_t b, int64_t t0,
-                int64_t t1, int64_t chunk, std::vector<float>& qs, std::vector<float>& scores,
-                std::vector<float>& kbuf, std::vector<float>& vbuf) {
+                int64_t t1, int64_t chunk) {
+  thread_local std::vector<float> qs, scores, kbuf, vbuf;  // a thread's scratch, kept between calls
   const int64_t h = n.h, g = n.g, key_stride = n.kv * h, nq = (t1 - t0) * g, stride = h + 2;
   int64_t keys = 0;  // keys [0, keys) are all the block's queries can see
   for (int64_t t = t0; t < t1; ++t) keys = std::max<int64_t>(keys, int64_t{pos[b * n.t + t]} + 1);
@@ -266,32 +252,6 @@ void Combine(const float* partial, int64_t chunks, int64_t h, float* out) {
   for (int64_t e = 0; e < h; ++e) out[e] /= sum;
 }
 
-// One call's work, shared with the helpers through a shared_ptr, as in native.cc's matmul: items
-// are (row, block of 16 query positions, chunk of keys), so even one query over a long cache
-// keeps both cores busy, each reading its own chunk.
-struct Work {
-  Shapes n;
-  const float *q, *k, *v;
-  const int32_t* pos;
-  const bool* valid;
-  float scale;
-  std::vector<float> partial;
-  int64_t t_blocks, chunks, items;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  void Run() {
-    std::vector<float> qs, scores, kbuf, vbuf;
-    for (int64_t item; (item = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
-      const int64_t chunk = item % chunks, tb = (item / chunks) % t_blocks, b = item / (chunks * t_blocks);
-      const int64_t t0 = tb * kBlockQueries;
-      Chunk(n, q, k, v, pos, valid, scale, partial.data(), chunks, b, t0, std::min(n.t, t0 + kBlockQueries), chunk,
-            qs, scores, kbuf, vbuf);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 ffi::Error Attention(ffi::ThreadPool pool, Queries q, Cache k, Cache v, ffi::Buffer<ffi::S32, 2> pos,
                      ffi::Buffer<ffi::PRED, 2> valid, float scale, ffi::Result<Queries> out) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
@@ -301,29 +261,24 @@ ffi::Error Attention(ffi::ThreadPool pool, Queries q, Cache k, Cache v, ffi::Buf
     return ffi::Error::InvalidArgument("jspec_attention: q, k and v disagree in shape");
   const int64_t queries = n.b * n.t * n.kv * n.g;
   if (queries == 0 || n.h == 0) return ffi::Error::Success();
-  auto work = std::make_shared<Work>();
-  work->n = n;
-  work->q = q.typed_data();
-  work->k = k.typed_data();
-  work->v = v.typed_data();
-  work->pos = pos.typed_data();
-  work->valid = valid.typed_data();
-  work->scale = scale;
-  work->t_blocks = (n.t + kBlockQueries - 1) / kBlockQueries;
-  work->chunks = std::max<int64_t>(1, (n.s + kChunkKeys - 1) / kChunkKeys);
-  work->items = n.b * work->t_blocks * work->chunks;
-  work->partial.resize(queries * work->chunks * (n.h + 2));
-  const int64_t threads = std::min<int64_t>(pool.num_threads(), std::thread::hardware_concurrency());
-  for (int64_t i = 1; i < std::min(threads, work->items); ++i) pool.Schedule([work] { work->Run(); });
-  work->Run();
-  while (work->done.load(std::memory_order_acquire) < work->items) std::this_thread::yield();
+  // Items are (row, block of 16 query positions, chunk of keys), so even one query over a long
+  // cache keeps both cores busy, each reading its own chunk.
+  const int64_t t_blocks = (n.t + kBlockQueries - 1) / kBlockQueries;
+  const int64_t chunks = std::max<int64_t>(1, (n.s + kChunkKeys - 1) / kChunkKeys);
+  std::vector<float> partial(queries * chunks * (n.h + 2));
+  const float *qs = q.typed_data(), *ks = k.typed_data(), *vs = v.typed_data();
+  const int32_t* ps = pos.typed_data();
+  const bool* valids = valid.typed_data();
+  float* partials = partial.data();
+  ParallelFor(pool, n.b * t_blocks * chunks, [=](int64_t item) {
+    const int64_t chunk = item % chunks, tb = (item / chunks) % t_blocks, b = item / (chunks * t_blocks);
+    const int64_t t0 = tb * kBlockQueries;
+    Chunk(n, qs, ks, vs, ps, valids, scale, partials, chunks, b, t0, std::min(n.t, t0 + kBlockQueries), chunk);
+  });
   float* o = out->typed_data();
-  for (int64_t i = 0; i < queries; ++i)
-    Combine(work->partial.data() + i * work->chunks * (n.h + 2), work->chunks, n.h, o + i * n.h);
+  for (int64_t i = 0; i < queries; ++i) Combine(partials + i * chunks * (n.h + 2), chunks, n.h, o + i * n.h);
   return ffi::Error::Success();
 }
-
-}  // namespace
 
 auto Binding() {
   return ffi::Ffi::Bind()
@@ -336,5 +291,7 @@ auto Binding() {
       .Attr<float>("scale")
       .Ret<Queries>();
 }
+
+}  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecAttention, Attention, Binding());

@@ -6,8 +6,9 @@
     print(r["text"], r["tokens_per_second"])
 
 Prompts of similar length are batched together (`batch_size` rows per compiled call, the last
-batch padded; see `batches`) and right-padded to a length bucket, so a program is compiled once
-per (batch, prompt bucket, max_new_tokens, sampling, method) and never per prompt. Compilation
+batch padded; see `batches`) and packed end to end for the prefill (`pack`), to length buckets,
+so a program is compiled once per (batch, prompt bucket, packed bucket, max_new_tokens, sampling,
+method) and never per prompt. Compilation
 happens before the clock starts: `seconds` is the wall time of the batch that produced a
 record, prefill included.
 """
@@ -30,7 +31,7 @@ from jspec.convert import store
 from jspec import methods
 from jspec.engine import loop
 from jspec.errors import JspecError
-from jspec.model import KVCache, param_shapes
+from jspec.model import KVCache, Packing, param_shapes
 from jspec.sampling import Sampling
 from jspec.tokenizer import Tokenizer
 
@@ -76,6 +77,31 @@ def prompt_bucket(n: int) -> int:
     if n <= PROMPT_STEP:
         return max(MIN_PROMPT_BUCKET, 1 << (n - 1).bit_length())
     return -(-n // PROMPT_STEP) * PROMPT_STEP
+
+
+def pack(prompts: Sequence[Sequence[int]], packed_rows: int = 1) -> tuple[np.ndarray, Packing]:
+    """Lay B prompts end to end in packed_rows rows (which must divide B) for one prefill:
+    tokens [R, T] and their `Packing`, as NumPy. A packed row of m prompts is m times the bucket
+    of their mean length long, so it hardly ever exceeds what padding each to the longest would
+    cost, and as few shapes compile as with padding."""
+    b = len(prompts)
+    per_row = b // packed_rows
+    lens = np.asarray([len(p) for p in prompts], np.int32)
+    total = max(int(lens[r * per_row:(r + 1) * per_row].sum()) for r in range(packed_rows))
+    t = per_row * prompt_bucket(-(-total // per_row))
+    p = prompt_bucket(int(lens.max()))
+    tokens = np.zeros((packed_rows, t), np.int32)
+    segment = np.full((packed_rows, t), -1, np.int32)
+    positions = np.zeros((packed_rows, t), np.int32)
+    source = np.zeros((b, p), np.int32)
+    for row in range(b):
+        r, n = divmod(row, per_row)
+        start = int(lens[r * per_row:row].sum())
+        tokens[r, start:start + lens[row]] = prompts[row]
+        segment[r, start:start + lens[row]] = row
+        positions[r, start:start + lens[row]] = np.arange(lens[row])
+        source[row] = start + np.minimum(np.arange(p), lens[row] - 1)
+    return tokens, Packing(segment, positions, source, lens)
 
 
 def batches(requests: Sequence[Request], batch_size: int) -> list[list[Request]]:
@@ -179,18 +205,12 @@ class Model:
     def _run_batch(self, batch: Sequence[Request], rows: int, max_new: int, sampling: Sampling, key,
                    plan) -> list[dict]:
         drafter, dparams, controller = plan
-        lens = [len(r.token_ids) for r in batch]
-        p = prompt_bucket(max(lens))
-        s = -(-(p + max_new + drafter.max_draft + 1) // CACHE_ALIGN) * CACHE_ALIGN
-        tokens = np.zeros((rows, p), np.int32)
-        prompt_lens = np.full((rows,), lens[0], np.int32)  # padding rows repeat the first prompt
-        for i, r in enumerate(list(batch) + [batch[0]] * (rows - len(batch))):
-            tokens[i, :len(r.token_ids)] = r.token_ids
-            prompt_lens[i] = len(r.token_ids)
+        tokens, packing = self.pack(batch, rows)
+        s = -(-(packing.bucket + max_new + drafter.max_draft + 1) // CACHE_ALIGN) * CACHE_ALIGN
         eos = np.asarray(self.cfg.eos_token_ids or (-1,), np.int32)
-        args = self._place(tokens, prompt_lens, eos)
+        args = self._place(tokens, packing, eos)
         cache = self._cache(rows, s)
-        fn = self._compile(rows, p, s, max_new, sampling, plan, cache, args, key)
+        fn = self._compile(rows, tokens.shape[1], s, max_new, sampling, plan, cache, args, key)
         t0 = time.perf_counter()
         out, stats, cache = fn(self.params, dparams, cache, *args, key)
         out, stats = distributed.gather((out, stats))
@@ -202,11 +222,21 @@ class Model:
             record["stats"].update(drafter.record_stats({k: v[i].tolist() for k, v in stats.items()}))
         return records
 
-    def _place(self, tokens, prompt_lens, eos):
+    def pack(self, batch: Sequence[Request], rows: int) -> tuple[np.ndarray, Packing]:
+        """The batch's prompts packed for its prefill (`pack`), one packed row per data shard (one
+        in all when the rows do not split over them). A padding row (a batch short of `rows`)
+        repeats the first, shortest prompt, so it stops when that row stops rather than
+        prolonging the loop."""
+        prompts = [r.token_ids for r in batch] + [batch[0].token_ids] * (rows - len(batch))
+        shards = 1 if self.mesh is None else self.mesh.shape["data"]
+        return pack(prompts, shards if rows % shards == 0 else 1)
+
+    def _place(self, tokens, packing, eos):
         if self.mesh is None:
-            return jnp.asarray(tokens), jnp.asarray(prompt_lens), jnp.asarray(eos)
+            return jnp.asarray(tokens), jax.tree.map(jnp.asarray, packing), jnp.asarray(eos)
         rows = lambda x: distributed.rows_array(x, sharding.rows_sharding(self.mesh, x.shape))
-        return rows(tokens), rows(prompt_lens), distributed.rows_array(eos, sharding.NamedSharding(self.mesh, sharding.P()))
+        return (rows(tokens), jax.tree.map(rows, packing),
+                distributed.rows_array(eos, sharding.NamedSharding(self.mesh, sharding.P())))
 
     def _cache(self, rows: int, length: int) -> KVCache:
         cache = self._caches.pop((rows, length), None)

@@ -53,7 +53,7 @@ def init(params, cfg: ModelConfig, kind: str, exit_layer: int, vocab: jax.Array)
             "vocab": jnp.asarray(vocab, jnp.int32)}
 
 
-def block(cfg: ModelConfig, hp: dict, h: jax.Array, positions: jax.Array | None, kv: dict):
+def block(cfg: ModelConfig, hp: dict, h: jax.Array, positions: jax.Array | model.Packing | None, kv: dict):
     """The head's layer on h [B, T, D] (layer-N states) -> (normed features [B, T, D], kv)."""
     cos, sin = model.rope_at(cfg, h, positions)
     h, k, v = model.attention_block(cfg, hp["layer"], h, positions, cos, sin, kv["k"], kv["v"])
@@ -85,8 +85,9 @@ class Head:
     """The `head` hook of the early-exit drafter (jspec.drafters.early_exit), over `dparams` made
     by `draft_params`."""
 
-    def prefill(self, dparams, cfg, h, cache_len):
-        _, kv = block(cfg, dparams, h, None, empty_kv(cfg, h.shape[0], cache_len))
+    def prefill(self, dparams, cfg, h, packing: model.Packing, cache_len):
+        """The head's cache over the prompts, from the packed layer-N states h [R, T, D]."""
+        _, kv = block(cfg, dparams, h, packing, empty_kv(cfg, packing.lens.shape[0], cache_len))
         return kv
 
     def logits(self, params, dparams, cfg, h, positions, kv):

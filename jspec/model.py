@@ -24,7 +24,9 @@ list entries, so it costs nothing either.
 Every forward reads and writes a preallocated `KVCache` at per-row positions: row b's T new
 tokens sit at positions[b] (contiguous), and a query at position p sees cache entries 0..p.
 Entries beyond a row's position are stale (padding, rejected drafts) and are never attended to,
-which is what makes speculative rollback free.
+which is what makes speculative rollback free. A prefill instead takes a `Packing`: the batch's
+prompts end to end in a few rows, so a batch of uneven prompts costs its tokens rather than its
+rows times its longest prompt; each prompt's keys and values land at 0.. of its own cache row.
 
 Because the LM head is [V, D] like the rest, a tied model uses its embedding and holds no second
 copy (28M parameters, a fifth of SmolLM2-135M).
@@ -79,10 +81,54 @@ def rope(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.cos(angles), jnp.sin(angles)
 
 
-def rope_at(cfg: ModelConfig, h: jax.Array, positions: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-    """rope() for h [B, T, ...] at positions [B, T], or at 0..T-1 in every row when None (a prefill)."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Packing:
+    """Where a prefill's tokens are: the prompts of B rows packed end to end into R packed rows of
+    T tokens (R divides B; packed row r holds batch rows r*B/R .. (r+1)*B/R - 1, so a data-sharded
+    batch packs within each shard). Built on the host by `jspec.api.pack`.
+
+    The projections and MLPs, nearly all of a prefill's work, run on the packed rows; attention
+    runs on the prompts unpacked to [B, P] (P: the longest prompt's bucket), each from position 0
+    of its own row, which is also where its keys and values go in the cache."""
+
+    segment: jax.Array  # [R, T] int32: the batch row of each token, -1 for padding
+    positions: jax.Array  # [R, T] int32: each token's position in its prompt
+    source: jax.Array  # [B, P] int32: where in its packed row row b's p-th token is
+    lens: jax.Array  # [B] int32: prompt lengths
+
+    @property
+    def bucket(self) -> int:
+        """P: the prompts' bucket, the cache prefix a prefill writes."""
+        return self.source.shape[1]
+
+    def unpack(self, x: jax.Array) -> jax.Array:
+        """x [R, T, ...] -> [B, P, ...], row b's prompt from position 0 (past its end: filler)."""
+        r, (b, p) = x.shape[0], self.source.shape
+        per_row = jax.vmap(lambda xr, idx: xr[idx])(x, self.source.reshape(r, b // r * p))
+        return per_row.reshape(b, p, *x.shape[2:])
+
+    def pack(self, x: jax.Array) -> jax.Array:
+        """unpack's inverse: x [B, P, ...] -> [R, T, ...] (padding tokens: filler)."""
+        (r, t), (b, p) = self.segment.shape, self.source.shape
+        local = self.segment - (jnp.arange(r, dtype=jnp.int32) * (b // r))[:, None]
+        idx = jnp.where(self.segment >= 0, local * p + self.positions, 0)
+        return jax.vmap(lambda xr, i: xr[i])(x.reshape(r, b // r * p, *x.shape[2:]), idx)
+
+    def last(self, x: jax.Array) -> jax.Array:
+        """x [R, T, ...] -> [B, ...] at each row's last prompt token."""
+        r, b = x.shape[0], self.lens.shape[0]
+        idx = jnp.take_along_axis(self.source, (self.lens - 1)[:, None], axis=1).reshape(r, b // r)
+        return jax.vmap(lambda xr, i: xr[i])(x, idx).reshape(b, *x.shape[2:])
+
+
+def rope_at(cfg: ModelConfig, h: jax.Array, positions: jax.Array | Packing | None) -> tuple[jax.Array, jax.Array]:
+    """rope() for h [B, T, ...] at positions [B, T], a prefill's packed positions, or 0..T-1 in
+    every row when None."""
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(h.shape[1], dtype=jnp.int32), h.shape[:2])
+    elif isinstance(positions, Packing):
+        positions = positions.positions
     return rope(cfg, positions)
 
 
@@ -136,23 +182,23 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid
 
 
 def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """attention() for queries at positions 0..T-1 of every row. Query block i cannot see past
-    its own end, a static bound, so it reads only that prefix of the cache: a long prompt does
-    about half the work of the full causal square (and none over the cache's unused tail)."""
-    b, t = q.shape[:2]
+    """attention() for queries at positions 0..P-1 of every row, over k, v [B, P, K, H]. Query
+    block i cannot see past its own end, a static bound, so it reads only that prefix: a long
+    prompt does about half the work of the full causal square."""
+    b, p = q.shape[:2]
     out = []
-    for start in range(0, t, PREFILL_BLOCK):
-        end = min(start + PREFILL_BLOCK, t)
+    for start in range(0, p, PREFILL_BLOCK):
+        end = min(start + PREFILL_BLOCK, p)
         q_pos = jnp.broadcast_to(jnp.arange(start, end), (b, end - start))
         out.append(attention(q[:, start:end], k[:, :end], v[:, :end], q_pos))
     return jnp.concatenate(out, axis=1)
 
 
-def attention_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array, positions: jax.Array | None,
-                    cos: jax.Array, sin: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                    valid: jax.Array | None = None):
+def attention_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array,
+                    positions: jax.Array | Packing | None, cos: jax.Array, sin: jax.Array, k_cache: jax.Array,
+                    v_cache: jax.Array, valid: jax.Array | None = None):
     """The attention half of a decoder block, residual included: h [B, T, D] -> h, k_cache, v_cache.
-    positions None is a prefill: every row's tokens sit at 0..T-1."""
+    A Packing is a prefill of h [R, T, D] packed rows; None a prefill of one prompt per row."""
     g = cfg.group_size
     x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
     qkv = linear(x, lp["wqkv"])
@@ -162,12 +208,17 @@ def attention_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array,
     q = _rotate(qkv[:, :, :, :g], cos[:, :, None, None], sin[:, :, None, None])
     k = _rotate(qkv[:, :, :, g], cos[:, :, None], sin[:, :, None])
     v = qkv[:, :, :, g + 1]
-    start = jnp.zeros(h.shape[:1], jnp.int32) if positions is None else positions[:, 0]
-    k_cache = _write(k_cache, k, start)
-    v_cache = _write(v_cache, v, start)
-    if positions is None:
-        out = prefill_attention(q, k_cache, v_cache)
+    if positions is None or isinstance(positions, Packing):
+        # Projections run packed; attention runs per prompt, from each row's position 0.
+        rows = (lambda x: x) if positions is None else positions.unpack
+        k, v = rows(k), rows(v)
+        out = prefill_attention(rows(q), k, v)
+        out = out if positions is None else positions.pack(out)
+        k_cache = _write(k_cache, k, jnp.zeros(k_cache.shape[:1], jnp.int32))
+        v_cache = _write(v_cache, v, jnp.zeros(v_cache.shape[:1], jnp.int32))
     else:
+        k_cache = _write(k_cache, k, positions[:, 0])
+        v_cache = _write(v_cache, v, positions[:, 0])
         out = attention(q, k_cache, v_cache, positions, valid)
     return h + linear(out.reshape(*out.shape[:2], -1), lp["wo"]), k_cache, v_cache
 
@@ -179,7 +230,7 @@ def mlp_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array) -> ja
     return h + linear(jax.nn.silu(gate) * up, lp["w_down"])
 
 
-def decoder_layer(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array, positions: jax.Array | None,
+def decoder_layer(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array, positions: jax.Array | Packing | None,
                   cos: jax.Array, sin: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                   valid: jax.Array | None = None):
     """One pre-norm decoder block. h [B, T, D]; k_cache, v_cache [B, S, K, H] of this layer."""
@@ -196,10 +247,10 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
     return params["embed"][tokens].astype(jnp.float32)
 
 
-def run_layers(params: Params, cfg: ModelConfig, h: jax.Array, positions: jax.Array | None, cache: KVCache,
+def run_layers(params: Params, cfg: ModelConfig, h: jax.Array, positions: jax.Array | Packing | None, cache: KVCache,
                layers: Sequence[int] | None = None):
     """Run the given layers (default: all, in order) on hidden states h [B, T, D] at positions
-    [B, T], or None for a prefill (positions 0..T-1 in every row). Layers not listed neither change
+    [B, T], or a prefill (a Packing, or None: one prompt per row). Layers not listed neither change
     h nor write the cache: a contiguous range is an early exit, a range with holes is layer
     skipping. Returns the new h and cache."""
     cos, sin = rope_at(cfg, h, positions)
@@ -275,8 +326,9 @@ def logits(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
     return linear(rms_norm(h, params["final_norm"], cfg.rms_norm_eps), head_weight(params), jnp.float32)
 
 
-def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array | None, cache: KVCache):
-    """The whole model: tokens [B, T] at positions [B, T] (None: a prefill from position 0) ->
+def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array | Packing | None,
+            cache: KVCache):
+    """The whole model: tokens [B, T] at positions [B, T] (or a prefill, as in run_layers) ->
     hidden [B, T, D] (pre-norm), cache."""
     return run_layers(params, cfg, embed(params, tokens), positions, cache)
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from conftest import hf_logits
-from jspec import acceptance, heads, methods
+from jspec import acceptance, api, heads, methods
 from jspec.api import Model
 from jspec.drafters.beam import Beam, beam_step, empty_entries
 from jspec.drafters.early_exit import EarlyExit
@@ -164,9 +164,9 @@ def test_beams_never_read_each_others_entries(small, head_path):
     model, _ = small
     cfg, w, k, j = model.cfg, 4, 4, 2
     drafter, dparams, _ = methods.build("mjsd", model, head=head_path, beam_width=w, max_draft=k)
-    tokens = jnp.array([PROMPTS[0]["token_ids"]], jnp.int32)
-    lens = jnp.array([tokens.shape[1]])
-    prefill = jax.jit(lambda p, d, c: drafter.prefill(p, d, cfg, tokens, lens, c))
+    tokens, packing = jax.tree.map(jnp.asarray, api.pack([PROMPTS[0]["token_ids"]]))
+    lens = packing.lens
+    prefill = jax.jit(lambda p, d, c: drafter.prefill(p, d, cfg, tokens, packing, c))
     _, cache, dstate = prefill(model.params, dparams, KVCache.zeros(cfg, 1, 32))
     stack = drafter.stack(model.params, dparams, cfg, cache, dstate)
     keys = iter(jax.random.split(jax.random.key(1), 64))
@@ -189,12 +189,12 @@ def test_one_beam_drafts_and_caches_like_the_token_by_token_drafter(small, head_
     model, _ = small
     cfg, k = model.cfg, 3
     beam, dparams, ctrl = methods.build("mjsd", model, head=head_path, beam_width=1, max_draft=k)
-    tokens = jnp.array([PROMPTS[0]["token_ids"], PROMPTS[2]["token_ids"][:6]], jnp.int32)
-    lens = jnp.array([6, 5])
+    tokens, packing = jax.tree.map(jnp.asarray, api.pack([PROMPTS[0]["token_ids"][:6], PROMPTS[2]["token_ids"][:5]]))
+    lens = packing.lens
 
     def draft(params, dparams, cache, use_beam):
         drafter = beam if use_beam else beam.inner
-        _, cache, dstate = drafter.prefill(params, dparams, cfg, tokens, lens, cache)
+        _, cache, dstate = drafter.prefill(params, dparams, cfg, tokens, packing, cache)
         s = types.SimpleNamespace(cache=cache, dstate=dstate, last=jnp.array([7, 1]), length=lens,
                                   done=jnp.zeros(2, bool), cstate=ctrl.init(2, k))
         return drafter.draft(params, dparams, cfg, s, ctrl, Sampling(), jax.random.key(0))

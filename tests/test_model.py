@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import FORMATS, KINDS, TINY, hf_config_class, hf_logits
-from jspec import model
+from jspec import api, model
 from jspec.config import ModelConfig
 from jspec.convert import store
 from jspec.errors import JspecError
@@ -169,6 +169,44 @@ def test_prefill_attention_blocks_match_transformers(make_tiny, kind):
     np.testing.assert_allclose(got, general, rtol=0, atol=1e-5)
     for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(general_cache)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5)
+
+
+def test_pack_lays_prompts_end_to_end():
+    prompts = [list(range(1, n + 1)) for n in (70, 5, 100, 30, 90, 8)]
+    for packed_rows in (1, 2, 3):
+        tokens, packing = api.pack(prompts, packed_rows)
+        per_row, p = len(prompts) // packed_rows, packing.bucket
+        assert tokens.shape[0] == packed_rows and p == api.prompt_bucket(100)
+        assert tokens.shape[1] <= per_row * p  # never longer than padding every prompt to the longest
+        for b, prompt in enumerate(prompts):
+            r, where = b // per_row, packing.source[b, :len(prompt)]
+            assert tokens[r, where].tolist() == prompt
+            assert (packing.segment[r, where] == b).all() and packing.positions[r, where].tolist() == list(range(len(prompt)))
+        assert (packing.segment >= 0).sum() == sum(map(len, prompts))
+
+
+@pytest.mark.parametrize("lengths, packed_rows", [((70, 5, 100, 30, 90, 8), 1), ((70, 5, 100, 30, 90, 8), 2),
+                                                  ((129, 1), 1)])
+def test_packed_prefill_equals_one_prompt_per_row(make_tiny, lengths, packed_rows):
+    """Prompts packed end to end, in one row or two, in a row longer than the longest prompt's
+    bucket or not, give each prompt the hidden state and cache entries it gets alone."""
+    t = make_tiny("llama")
+    cfg, params = t.cfg, t.params
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, TINY["vocab_size"], n).tolist() for n in lengths]
+    tokens, packing = jax.tree.map(jnp.asarray, api.pack(prompts, packed_rows))
+
+    @jax.jit
+    def packed(params, tokens, packing, cache):
+        h, cache = model.forward(params, cfg, tokens, packing, cache)
+        return model.logits(params, cfg, packing.last(h)), cache
+
+    last, cache = packed(params, tokens, packing, model.KVCache.zeros(cfg, len(prompts), packing.bucket + 32))
+    for b, prompt in enumerate(prompts):
+        alone, alone_cache = jspec_logits(params, cfg, np.asarray([prompt]), prefill=True)
+        np.testing.assert_allclose(np.asarray(last[b]), alone[0, -1], rtol=0, atol=1e-5)
+        for got, want in zip(cache.k + cache.v, alone_cache.k + alone_cache.v):
+            np.testing.assert_allclose(np.asarray(got[b, :len(prompt)]), np.asarray(want[0]), rtol=0, atol=1e-5)
 
 
 def test_forward_writes_cache_at_row_positions(make_tiny):

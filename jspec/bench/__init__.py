@@ -220,9 +220,11 @@ def run_jspec(model, spec: MethodSpec, options: dict, chunk: list, requests: lis
     """Time one batch of `requests` (the prompts `chunk`) `args.repeats` times; one row per prompt.
     `score` (lossy methods and ar beside them) scores each output under the full model, untimed."""
     from jspec import quality
-    from jspec.api import prompt_bucket
+    from jspec.api import batches
 
-    shape = (spec.label, batch_size, prompt_bucket(max(len(r.token_ids) for r in requests)))
+    [batch] = batches(requests, batch_size)
+    tokens, packing = model.pack(batch, batch_size)
+    shape = (spec.label, batch_size, tokens.shape, packing.bucket)
     run = lambda: list(model.stream(requests, spec.name, max_new_tokens=args.max_new_tokens,  # noqa: E731
                                     batch_size=batch_size, **options))
     if shape not in warmed:  # compile (before the clock) and run once untimed

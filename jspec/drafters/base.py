@@ -3,7 +3,7 @@
 A drafter is a static, hashable config (`max_draft` = K and its own options); its weights, if
 any, travel separately as `dparams`. It implements
 
-    prefill(params, dparams, cfg, tokens, prompt_lens, cache) -> (h_last [B, D], cache, dstate)
+    prefill(params, dparams, cfg, tokens, packing, cache) -> (h_last [B, D], cache, dstate)
     draft(params, dparams, cfg, state: LoopState, controller, sampling, key) -> Draft
     verify(params, dparams, cfg, tokens [B, K+1], positions [B, K+1], cache, dstate) -> (h, cache)
 
@@ -36,14 +36,11 @@ class Draft:
     logq: jax.Array | None = None  # [B, K] log q of each drafted token, for a rule that needs it (MJSD)
 
 
-def target_prefill(params, cfg, tokens, prompt_lens, cache):
-    """Run the prompt through the target; hidden state at each row's last prompt token [B, D]."""
-    h, cache = model.forward(params, cfg, tokens, None, cache)
-    return last_prompt_state(h, prompt_lens), cache
-
-
-def last_prompt_state(h, prompt_lens):
-    return jnp.take_along_axis(h, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
+def target_prefill(params, cfg, tokens, packing: model.Packing, cache):
+    """Run the packed prompts tokens [R, T] through the target; the hidden state at each row's
+    last prompt token [B, D]."""
+    h, cache = model.forward(params, cfg, tokens, packing, cache)
+    return packing.last(h), cache
 
 
 class Drafter:
@@ -52,8 +49,8 @@ class Drafter:
     # next_token); None is the target's lossless rule (greedy match, or rejection sampling).
     accept = None
 
-    def prefill(self, params, dparams, cfg, tokens, prompt_lens, cache):
-        h, cache = target_prefill(params, cfg, tokens, prompt_lens, cache)
+    def prefill(self, params, dparams, cfg, tokens, packing, cache):
+        h, cache = target_prefill(params, cfg, tokens, packing, cache)
         return h, cache, ()
 
     def verify(self, params, dparams, cfg, tokens, positions, cache, dstate):

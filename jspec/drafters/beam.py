@@ -177,8 +177,8 @@ class Beam(Drafter):
     def max_draft(self) -> int:
         return self.inner.max_draft
 
-    def prefill(self, params, dparams, cfg, tokens, prompt_lens, cache):
-        return self.inner.prefill(params, dparams, cfg, tokens, prompt_lens, cache)
+    def prefill(self, params, dparams, cfg, tokens, packing, cache):
+        return self.inner.prefill(params, dparams, cfg, tokens, packing, cache)
 
     def verify(self, params, dparams, cfg, tokens, positions, cache, dstate):
         return self.inner.verify(params, dparams, cfg, tokens, positions, cache, dstate)

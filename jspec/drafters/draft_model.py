@@ -20,10 +20,10 @@ class DraftModel(Drafter):
     draft_cfg: ModelConfig
     max_draft: int = 8
 
-    def prefill(self, params, dparams, cfg, tokens, prompt_lens, cache):
-        h, cache = target_prefill(params, cfg, tokens, prompt_lens, cache)
-        dcache = model.KVCache.zeros(self.draft_cfg, tokens.shape[0], cache.length)
-        _, dcache = target_prefill(dparams, self.draft_cfg, tokens, prompt_lens, dcache)
+    def prefill(self, params, dparams, cfg, tokens, packing, cache):
+        h, cache = target_prefill(params, cfg, tokens, packing, cache)
+        dcache = model.KVCache.zeros(self.draft_cfg, packing.lens.shape[0], cache.length)
+        _, dcache = target_prefill(dparams, self.draft_cfg, tokens, packing, dcache)
         return h, cache, {"cache": dcache}
 
     def draft(self, params, dparams, cfg, s, controller, sampling, key):

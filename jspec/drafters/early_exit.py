@@ -17,7 +17,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from jspec import model
-from jspec.drafters.base import Draft, Drafter, draft_loop, last_prompt_state
+from jspec.drafters.base import Draft, Drafter, draft_loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,13 +32,13 @@ class EarlyExit(Drafter):
     def _deep(self, cfg):
         return range(self.exit_layer, cfg.num_layers)
 
-    def prefill(self, params, dparams, cfg, tokens, prompt_lens, cache):
-        h, cache = model.run_layers(params, cfg, model.embed(params, tokens), None, cache, self._shallow(cfg))
-        dstate = {"hidden": jnp.zeros((tokens.shape[0], self.max_draft + 1, cfg.hidden_size), h.dtype)}
+    def prefill(self, params, dparams, cfg, tokens, packing, cache):
+        h, cache = model.run_layers(params, cfg, model.embed(params, tokens), packing, cache, self._shallow(cfg))
+        dstate = {"hidden": jnp.zeros((packing.lens.shape[0], self.max_draft + 1, cfg.hidden_size), h.dtype)}
         if self.head is not None:
-            dstate["head"] = self.head.prefill(dparams, cfg, h, cache.length)
-        h, cache = model.run_layers(params, cfg, h, None, cache, self._deep(cfg))
-        return last_prompt_state(h, prompt_lens), cache, dstate
+            dstate["head"] = self.head.prefill(dparams, cfg, h, packing, cache.length)
+        h, cache = model.run_layers(params, cfg, h, packing, cache, self._deep(cfg))
+        return packing.last(h), cache, dstate
 
     def _draft_logits(self, params, dparams, cfg, h, positions, dstate):
         if self.head is None:

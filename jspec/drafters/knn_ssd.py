@@ -15,7 +15,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from jspec import model
-from jspec.drafters.base import Draft, Drafter, draft_loop, last_prompt_state
+from jspec.drafters.base import Draft, Drafter, draft_loop
 
 
 def prompt_feature(params, cfg, h, prompt_lens):
@@ -40,11 +40,11 @@ class KnnSsd(Drafter):
     max_draft: int = 12
     domains: tuple[str, ...] = ()
 
-    def prefill(self, params, dparams, cfg, tokens, prompt_lens, cache):
-        h, cache = model.forward(params, cfg, tokens, None, cache)
-        anchor = nearest_anchor(prompt_feature(params, cfg, h, prompt_lens), dparams["anchors"])
+    def prefill(self, params, dparams, cfg, tokens, packing, cache):
+        h, cache = model.forward(params, cfg, tokens, packing, cache)
+        anchor = nearest_anchor(prompt_feature(params, cfg, packing.unpack(h), packing.lens), dparams["anchors"])
         domain = dparams["anchor_domain"][anchor]
-        return last_prompt_state(h, prompt_lens), cache, {"skip": dparams["skip"][domain], "domain": domain}
+        return packing.last(h), cache, {"skip": dparams["skip"][domain], "domain": domain}
 
     def draft(self, params, dparams, cfg, s, controller, sampling, key):
         skip = s.dstate["skip"]

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec import heads, model, predictors
-from jspec.drafters.base import Draft, Drafter, last_prompt_state
+from jspec.drafters.base import Draft, Drafter
 
 RECENT = 5  # exit depths remembered per row for the online schedule
 CHOICES = ("candidates", "full")
@@ -49,11 +49,11 @@ class SpecEE(Drafter):
     choice: str = "candidates"
     kv: str = "fill"  # or "mask": skipped layers write nothing, later tokens attend only to what exists
 
-    def prefill(self, params, dparams, cfg, tokens, prompt_lens, cache):
-        b, n = tokens.shape[0], self.exit_layer
-        h, cache = model.run_layers(params, cfg, model.embed(params, tokens), None, cache, range(n))
-        head_kv = heads.Head().prefill(dparams["head"], cfg, h, cache.length)
-        h, cache = model.run_layers(params, cfg, h, None, cache, range(n, cfg.num_layers))
+    def prefill(self, params, dparams, cfg, tokens, packing, cache):
+        b, n = packing.lens.shape[0], self.exit_layer
+        h, cache = model.run_layers(params, cfg, model.embed(params, tokens), packing, cache, range(n))
+        head_kv = heads.Head().prefill(dparams["head"], cfg, h, packing, cache.length)
+        h, cache = model.run_layers(params, cfg, h, packing, cache, range(n, cfg.num_layers))
         dstate = {"head": head_kv,
                   "hidden": jnp.zeros((b, cfg.hidden_size), jnp.float32),  # [B, D] the emitting state
                   "token": jnp.zeros((b,), jnp.int32),  # the exit depth's choice
@@ -62,7 +62,7 @@ class SpecEE(Drafter):
                   "exits": jnp.zeros((b, cfg.num_layers + 1), jnp.int32)}  # tokens per exit depth
         if self.kv == "mask":  # [L - N, B, S] which deep-layer entries exist (positions past a row's are masked anyway)
             dstate["valid"] = jnp.ones((cfg.num_layers - n, b, cache.length), bool)
-        return last_prompt_state(h, prompt_lens), cache, dstate
+        return packing.last(h), cache, dstate
 
     def draft(self, params, dparams, cfg, s, controller, sampling, key):
         b, n, depth_count = s.last.shape[0], self.exit_layer, cfg.num_layers

@@ -61,17 +61,18 @@ def _emit(s: LoopState, tokens: jax.Array, count: jax.Array, eos_ids, max_new_to
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling", "max_new_tokens", "drafter", "controller"),
                    donate_argnames=("cache",))
-def generate(params, dparams, cache: model.KVCache, tokens, prompt_lens, eos_ids, key, *, cfg: ModelConfig,
-             sampling: Sampling, max_new_tokens: int, drafter, controller):
-    """tokens [B, P] right-padded prompts of lengths prompt_lens [B]; eos_ids [E].
+def generate(params, dparams, cache: model.KVCache, tokens, packing: model.Packing, eos_ids, key, *,
+             cfg: ModelConfig, sampling: Sampling, max_new_tokens: int, drafter, controller):
+    """tokens [R, T]: B prompts packed as `packing` says (jspec.api.pack); eos_ids [E].
 
     Returns (out [B, max_new_tokens] with -1 past each row's end, stats dict of [B] arrays, cache).
-    The cache needs P + max_new_tokens + K + 1 positions.
+    The cache needs P + max_new_tokens + K + 1 positions, P = packing.bucket.
     """
-    b, p = tokens.shape
-    k = drafter.max_draft
-    seq = jnp.zeros((b, cache.length), jnp.int32).at[:, :p].set(tokens)
-    h, cache, dstate = drafter.prefill(params, dparams, cfg, tokens, prompt_lens, cache)
+    prompt_lens = packing.lens
+    b, p, k = prompt_lens.shape[0], packing.bucket, drafter.max_draft
+    prompts = jnp.where(jnp.arange(p)[None, :] < prompt_lens[:, None], packing.unpack(tokens), 0)
+    seq = jnp.zeros((b, cache.length), jnp.int32).at[:, :p].set(prompts)
+    h, cache, dstate = drafter.prefill(params, dparams, cfg, tokens, packing, cache)
     key, sub = jax.random.split(key)
     first = next_token(model.logits(params, cfg, h), sampling, sub)
     zeros = jnp.zeros((b,), jnp.int32)

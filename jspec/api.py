@@ -95,7 +95,7 @@ def pack(prompts: Sequence[Sequence[int]], packed_rows: int = 1) -> tuple[np.nda
     positions = np.zeros((packed_rows, t), np.int32)
     source = np.zeros((b, p), np.int32)
     for row in range(b):
-        r, n = divmod(row, per_row)
+        r = row // per_row
         start = int(lens[r * per_row:row].sum())
         tokens[r, start:start + lens[row]] = prompts[row]
         segment[r, start:start + lens[row]] = row

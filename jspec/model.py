@@ -105,21 +105,26 @@ class Packing:
     def unpack(self, x: jax.Array) -> jax.Array:
         """x [R, T, ...] -> [B, P, ...], row b's prompt from position 0 (past its end: filler)."""
         r, (b, p) = x.shape[0], self.source.shape
-        per_row = jax.vmap(lambda xr, idx: xr[idx])(x, self.source.reshape(r, b // r * p))
-        return per_row.reshape(b, p, *x.shape[2:])
+        return _take_per_row(x, self.source.reshape(r, b // r * p)).reshape(b, p, *x.shape[2:])
 
     def pack(self, x: jax.Array) -> jax.Array:
         """unpack's inverse: x [B, P, ...] -> [R, T, ...] (padding tokens: filler)."""
-        (r, t), (b, p) = self.segment.shape, self.source.shape
+        r, (b, p) = self.segment.shape[0], self.source.shape
         local = self.segment - (jnp.arange(r, dtype=jnp.int32) * (b // r))[:, None]
         idx = jnp.where(self.segment >= 0, local * p + self.positions, 0)
-        return jax.vmap(lambda xr, i: xr[i])(x.reshape(r, b // r * p, *x.shape[2:]), idx)
+        return _take_per_row(x.reshape(r, b // r * p, *x.shape[2:]), idx)
 
     def last(self, x: jax.Array) -> jax.Array:
         """x [R, T, ...] -> [B, ...] at each row's last prompt token."""
         r, b = x.shape[0], self.lens.shape[0]
         idx = jnp.take_along_axis(self.source, (self.lens - 1)[:, None], axis=1).reshape(r, b // r)
-        return jax.vmap(lambda xr, i: xr[i])(x, idx).reshape(b, *x.shape[2:])
+        return _take_per_row(x, idx).reshape(b, *x.shape[2:])
+
+
+def _take_per_row(x: jax.Array, idx: jax.Array) -> jax.Array:
+    """x [R, N, ...] at idx [R, M] -> [R, M, ...]: a gather within each packed row, so a
+    data-sharded batch gathers within its shard."""
+    return jax.vmap(lambda xr, i: xr[i])(x, idx)
 
 
 def rope_at(cfg: ModelConfig, h: jax.Array, positions: jax.Array | Packing | None) -> tuple[jax.Array, jax.Array]:

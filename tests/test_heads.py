@@ -165,6 +165,17 @@ def test_training_on_answers_and_text_with_held_out_answers(lm, data, tmp_path):
     assert abs(again["agreement"] - summary["agreement"]) < 1e-4  # the saved head is the best one
 
 
+def test_exit_states_by_width_equal_the_full_width_forward(lm, data):
+    _, d = train.load_data([data])
+    ends = d["prompt_lens"] + d["answer_lens"]
+    length = d["tokens"].shape[1]
+    assert (train.widths(ends, length) < length).any() and (train.widths(ends, length) >= ends).all()
+    got = train.exit_states(lm.params, lm.cfg, 2, d["tokens"], ends, 4)
+    full = train.exit_states(lm.params, lm.cfg, 2, d["tokens"], np.full_like(ends, length), 4)
+    for row, end in enumerate(ends):
+        np.testing.assert_allclose(got[row, :end], full[row, :end], atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", heads.KINDS)
 def test_training_lowers_the_loss(lm, data, tmp_path, kind):
     losses = []

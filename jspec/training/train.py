@@ -155,27 +155,44 @@ def evaluate_head(lm, head: str | Path, folders: list, data_folders: int, fracti
     _, rows = held_out(data, data_folders, fraction, seed)
     data = {k: v[rows] for k, v in data.items()}  # the frozen layers run on the held-out rows only
     arrays = _prepare(data, np.asarray(hp["vocab"]), lm.cfg.vocab_size)
-    arrays["hidden"] = exit_states(lm.params, lm.cfg, meta["exit_layer"], data["tokens"], 2 * batch_size)
+    ends = data["prompt_lens"] + data["answer_lens"]
+    arrays["hidden"] = exit_states(lm.params, lm.cfg, meta["exit_layer"], data["tokens"], ends, 2 * batch_size)
     frozen = {"vocab": hp["vocab"], "lm_head": heads.draft_params(lm.params, hp)["lm_head"].astype(jnp.float32)}
     evaluate = jax.jit(lambda tr, batch: _losses(_forward(tr, frozen, lm.cfg, batch), batch, 0.0)[1])
-    return {**_evaluate(evaluate, {"layer": hp["layer"], "norm": hp["norm"]}, arrays, np.arange(len(rows)), batch_size),
+    return {**_evaluate(evaluate, {"layer": hp["layer"], "norm": hp["norm"]}, arrays, np.arange(len(rows)),
+                          widths(ends, data["tokens"].shape[1]), batch_size),
             "held_out_sequences": len(rows), "held_out_tokens": int(data["answer_lens"].sum())}
 
 
-def exit_states(params, cfg, exit_layer: int, tokens: np.ndarray, batch_size: int) -> np.ndarray:
-    """The frozen target's layer-N hidden states of every sequence [N, L, D], computed once: the
-    head trains for many epochs on them, and they are most of a step's work otherwise."""
+def widths(ends: np.ndarray, length: int) -> np.ndarray:
+    """The padded width each row trains at: the power of two (from 32) at or above where its text
+    ends, at most `length`. Batches of one width compile once; most rows are far shorter than the
+    longest, which sets `length` (answers to 512-token prompts: 204 tokens on average of 640)."""
+    return np.minimum(2 ** np.ceil(np.log2(np.maximum(ends, 32))).astype(np.int64), length)
+
+
+def exit_states(params, cfg, exit_layer: int, tokens: np.ndarray, ends: np.ndarray, batch_size: int) -> np.ndarray:
+    """The frozen target's layer-N hidden states of every sequence [N, L, D] (zero after each
+    row's width), computed once: the head trains for many epochs on them, and they are most of a
+    step's work otherwise. Rows run in order of length, each batch at its widest row's width."""
     @jax.jit
     def run(tokens):
         cache = M.KVCache.zeros(cfg, *tokens.shape)
         h, _ = M.run_layers(params, cfg, M.embed(params, tokens), None, cache, range(exit_layer))
         return h.astype(jnp.float32)
 
-    out = []
-    for start in range(0, len(tokens), batch_size):
-        chunk = tokens[start:start + batch_size]
-        out.append(np.asarray(run(jnp.asarray(distill.pad_rows(chunk, batch_size))))[:len(chunk)])
-    return np.concatenate(out)
+    out = np.zeros(tokens.shape + (cfg.hidden_size,), np.float32)
+    width = widths(ends, tokens.shape[1])
+    order = np.argsort(ends, kind="stable")
+    for start in range(0, len(order), batch_size):
+        rows = order[start:start + batch_size]
+        w = int(width[rows].max())
+        out[rows, :w] = np.asarray(run(jnp.asarray(distill.pad_rows(tokens[rows, :w], batch_size))))[:len(rows)]
+    return out
+
+
+def _batch(arrays: dict, rows: np.ndarray, width: int) -> dict:
+    return {k: jnp.asarray(v[rows, :width] if k == "hidden" else v[rows]) for k, v in arrays.items()}
 
 
 def _forward(trainable, frozen, cfg, batch):
@@ -238,7 +255,9 @@ def train(lm, data_dirs, out, recipe: Recipe, eval_dirs=(), progress: bool = Tru
     vocab = draft_vocabulary(data["tokens"][train_rows], data["prompt_lens"][train_rows],
                              data["answer_lens"][train_rows], cfg.vocab_size, recipe.draft_vocab)
     arrays = _prepare(data, vocab, cfg.vocab_size)
-    arrays["hidden"] = exit_states(params, cfg, recipe.exit_layer, data["tokens"], 2 * recipe.batch_size)
+    ends = data["prompt_lens"] + data["answer_lens"]
+    arrays["hidden"] = exit_states(params, cfg, recipe.exit_layer, data["tokens"], ends, 2 * recipe.batch_size)
+    width = widths(ends, data["tokens"].shape[1])
     hp = heads.init(params, cfg, recipe.kind, recipe.exit_layer, vocab)
     frozen = {"vocab": hp["vocab"], "lm_head": heads.draft_params(params, hp)["lm_head"].astype(jnp.float32)}
     trainable = {"layer": hp["layer"], "norm": hp["norm"]}
@@ -288,15 +307,19 @@ def train(lm, data_dirs, out, recipe: Recipe, eval_dirs=(), progress: bool = Tru
     per_epoch = len(train_rows) // recipe.batch_size
 
     def batch_at(step: int) -> dict:
+        # An epoch's shuffled rows, grouped by width so that a batch pads little, in batches taken
+        # in a shuffled order.
         epoch, i = divmod(step, per_epoch)
-        perm = np.random.default_rng([recipe.seed, epoch]).permutation(train_rows)
-        rows = perm[i * recipe.batch_size:(i + 1) * recipe.batch_size]
-        return {k: jnp.asarray(v[rows]) for k, v in arrays.items()}
+        rng = np.random.default_rng([recipe.seed, epoch])
+        perm = rng.permutation(train_rows)
+        perm = perm[np.argsort(width[perm], kind="stable")]
+        rows = perm[rng.permutation(per_epoch)[i] * recipe.batch_size:][:recipe.batch_size]
+        return _batch(arrays, rows, int(width[rows].max()))
 
     def measure(step: int) -> None:
         if not recipe.eval_every or int(state["measured_step"]) == step:
             return
-        agreement = _evaluate(evaluate, state["params"], arrays, eval_rows, recipe.batch_size)["agreement"]
+        agreement = _evaluate(evaluate, state["params"], arrays, eval_rows, width, recipe.batch_size)["agreement"]
         if agreement > float(state["best_agreement"]):
             state.update(best_params=state["params"], best_agreement=jnp.float32(agreement),
                          best_step=jnp.int32(step), stale=jnp.int32(0))
@@ -333,7 +356,7 @@ def train(lm, data_dirs, out, recipe: Recipe, eval_dirs=(), progress: bool = Tru
     wall += time.perf_counter() - t0
 
     final = state["best_params"] if recipe.eval_every else state["params"]
-    final_metrics = _evaluate(evaluate, final, arrays, eval_rows, recipe.batch_size)
+    final_metrics = _evaluate(evaluate, final, arrays, eval_rows, width, recipe.batch_size)
     summary = {"steps": step, "best_step": int(state["best_step"]) if recipe.eval_every else step,
                "wall_seconds": round(wall, 1), "train_sequences": len(train_rows),
                "train_tokens": int(data["answer_lens"][train_rows].sum()), "held_out_sequences": len(eval_rows),
@@ -352,12 +375,13 @@ def saved_steps(ckpt_dir: Path) -> list[int]:
     return sorted(int(p.name) for p in ckpt_dir.glob("*") if p.name.isdigit())
 
 
-def _evaluate(evaluate, tr, arrays: dict, rows: np.ndarray, batch_size: int) -> dict:
+def _evaluate(evaluate, tr, arrays: dict, rows: np.ndarray, width: np.ndarray, batch_size: int) -> dict:
     """Position-weighted held-out metrics."""
     totals, count = {"loss": 0.0, "agreement": 0.0, "expected_acceptance": 0.0, "vocab_coverage": 0.0}, 0
+    rows = rows[np.argsort(width[rows], kind="stable")]
     for start in range(0, len(rows), batch_size):
         chunk = rows[start:start + batch_size]
-        batch = {k: jnp.asarray(v[distill.pad_rows(chunk, batch_size)]) for k, v in arrays.items()}
+        batch = _batch(arrays, distill.pad_rows(chunk, batch_size), int(width[chunk].max()))
         batch["answer_lens"] = batch["answer_lens"].at[len(chunk):].set(0)  # padding rows do not count
         m = jax.device_get(evaluate(tr, batch))
         positions = int(m["positions"])

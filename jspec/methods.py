@@ -181,8 +181,9 @@ def _mjsd(model, k, exit_layer, draft_model, head, beam_width, accept_threshold)
 
 def _build_specee(model, head: str | None, path: str | None, threshold: float | None, choice: str | None,
                   kv: str | None):
-    """SpecEE's drafter and params: its predictors, the head they were trained over (its candidates),
-    and the K/V rows of the layers an exit may skip."""
+    """SpecEE's drafter and params: its predictors, the head they were trained over (its candidates:
+    the copy in the predictors' folder unless --head names another), and the K/V rows of the layers
+    an exit may skip."""
     threshold = EXIT_THRESHOLD if threshold is None else threshold
     if not (isinstance(threshold, (int, float)) and math.isfinite(threshold) and threshold >= 0):
         raise JspecError(f"--exit-threshold must be a number >= 0 (above 1: never exit), got {threshold}")
@@ -200,7 +201,7 @@ def _build_specee(model, head: str | None, path: str | None, threshold: float | 
         raise JspecError(f"predictors {path} do not exist")
     stamp = (Path(path) / "predictors.json").stat().st_mtime_ns if (Path(path) / "predictors.json").exists() else None
     pp, meta = _read_predictors(str(Path(path).resolve()), stamp, model.cfg)
-    hp, head_meta = _load_head(meta["head"]["kind"], model, head)
+    hp, head_meta = _load_head(meta["head"]["kind"], model, head or str(Path(path) / "head"))
     n = head_meta["exit_layer"]
     if meta["depths"][0] != n or meta["depths"][-1] != model.cfg.num_layers - 1:
         raise JspecError(f"predictors {path} cover depths {meta['depths'][0]}..{meta['depths'][-1]}, but their "

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import jax
@@ -67,10 +68,13 @@ def score(pp: dict, index, x: jax.Array) -> jax.Array:
 
 # -- saving and loading --------------------------------------------------------------------------
 
-def save(path: str | os.PathLike, pp: dict, meta: dict) -> Path:
+def save(path: str | os.PathLike, pp: dict, meta: dict, head: str | os.PathLike) -> Path:
+    """Write the predictors with a copy of the head they were trained over (`head/`): its
+    candidates are their inputs, so they stay right when another head replaces a shipped one."""
     path = Path(path).absolute()
     with store.writing_folder(path) as tmp:
         store.save_params(tmp / "params", pp)
+        shutil.copytree(head, tmp / "head", ignore=shutil.ignore_patterns("README.md"))
         (tmp / "predictors.json").write_text(json.dumps({"format": FORMAT, **meta}, indent=1) + "\n")
     return path
 

@@ -39,8 +39,8 @@ def setup(tiny_llama, tmp_path_factory):
     # data-dependent split, far from the threshold for most tokens.
     confident = {"w1": jnp.zeros_like(pp["w1"]).at[:, 4, 0].set(1.0), "b1": jnp.zeros_like(pp["b1"]),
                  "w2": jnp.zeros_like(pp["w2"]).at[:, 0].set(40.0), "b2": jnp.full_like(pp["b2"], -20.0)}
-    return (model, str(head), str(predictors.save(root / "confident", confident, meta)),
-            str(predictors.save(root / "always", forced, {**meta, "schedule": depths[:1]})))
+    return (model, str(head), str(predictors.save(root / "confident", confident, meta, head)),
+            str(predictors.save(root / "always", forced, {**meta, "schedule": depths[:1]}, head)))
 
 
 def ids(records):
@@ -124,8 +124,11 @@ def test_training_lowers_the_loss(setup, tmp_path):
     pp, meta = train_predictors.train(model, head, "kangaroo", sequences, epochs=40, progress=False)
     t = meta["training"]
     assert t["final_loss"] < t["first_loss"] and len(t["held_out"]) == len(meta["depths"]) == 2
-    predictors.save(tmp_path / "p", pp, meta)
+    predictors.save(tmp_path / "p", pp, meta, head)
     assert predictors.load(tmp_path / "p", model.cfg)[1]["schedule"] == meta["schedule"]
+    # Without --head, specee takes its candidates from the head saved with the predictors.
+    opts = dict(method="specee", predictors=str(tmp_path / "p"), max_new_tokens=NEW, batch_size=4)
+    assert ids(model.generate(PROMPTS, **opts)) == ids(model.generate(PROMPTS, head=head, **opts))
 
 
 def test_wrong_model_refused(setup, make_tiny):

@@ -235,4 +235,4 @@ def make(model, prompts: list[dict], out, *, head: str | None = None, count: int
                      progress=progress)
     meta["training"].update(answer_seconds=round(answer_seconds, 1), prompts=len(requests),
                             max_new_tokens=max_new_tokens, seed=seed)
-    return predictors.save(out, pp, meta), meta["training"]
+    return predictors.save(out, pp, meta, head), meta["training"]

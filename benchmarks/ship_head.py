@@ -32,16 +32,21 @@ def describe(d: dict) -> str:
     if d.get("source") == "text":
         return (f"{d['sequences']} training texts, teacher-forced (at most {d['max_tokens']} tokens), "
                 f"top-{d['top_k']} teacher log-probabilities")
-    return (f"{d['count']} prompts of train_prompts.jsonl (seed {d['seed']}), the model's own greedy answers of at "
-            f"most {d['max_new_tokens']} tokens, top-{d['top_k']} teacher log-probabilities")
+    sets = {"all": "every training set (train_prompts and the six domain files)"}.get(d.get("prompts"),
+                                                                                     d.get("prompts") or "train_prompts")
+    return (f"{d['sequences']} prompts of {sets} (seeded sample, seed {d['seed']}, prompts "
+            f"of at most {d['max_prompt_tokens']} tokens), the model's own greedy answers of at most "
+            f"{d['max_new_tokens']} tokens, top-{d['top_k']} teacher log-probabilities")
 
 
 def command(i: int, d: dict) -> str:
     if d.get("source") == "text":
         return (f"jspec distill-data --source text --prompts all --out data{i} --max-tokens {d['max_tokens']} "
                 f"--top-k {d['top_k']} --shard-size {d['shard_size']}  # {d['sequences']} sequences")
-    return (f"jspec distill-data --out data{i} --count {d['count']} --max-new-tokens {d['max_new_tokens']} "
-            f"--top-k {d['top_k']} --seed {d['seed']}")
+    stopped = f"  # stopped after {d['sequences']} prompts" if d["sequences"] < d["count"] else ""
+    return (f"jspec distill-data --out data{i} --prompts {d.get('prompts') or 'train_prompts'} --count {d['count']} "
+            f"--max-prompt-tokens {d['max_prompt_tokens']} --max-new-tokens {d['max_new_tokens']} --top-k {d['top_k']} "
+            f"--seed {d['seed']}{stopped}")
 
 
 def main() -> None:
@@ -79,7 +84,7 @@ Reproduce:
 
 ```bash
 {chr(10).join(command(i, d) for i, d in enumerate(folders))}
-jspec train-head --kind {kind} --exit-layer {n} --data {" ".join(f"data{i}" for i in range(len(folders)))} --out {kind}-head --steps {r["steps"]} --lr {r["lr"]} --b2 {r.get("b2", 0.999)} --warmup {r["warmup"]} --clip {r["clip"]} --draft-vocab {r["draft_vocab"]} --eval-every {r.get("eval_every", 0)}
+jspec train-head --kind {kind} --exit-layer {n} --data {" ".join(f"data{i}" for i in range(len(folders)))} --out {kind}-head --steps {r["steps"]} --lr {r["lr"]} --b2 {r.get("b2", 0.999)} --warmup {r["warmup"]} --clip {r["clip"]} --draft-vocab {r["draft_vocab"]} --eval-every {r.get("eval_every", 0)} --patience {r.get("patience", 5)}
 ```
 """
     (dest / "README.md").write_text(card)

@@ -549,7 +549,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
         out = distill.make(model, prompts, args.out, count=args.count or 512,
                            max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_k=args.top_k, shard_size=args.shard_size or 64,
-                           batch_size=args.batch_size, seed=args.seed)
+                           batch_size=args.batch_size, seed=args.seed, source=" ".join(args.prompts))
     else:
         if args.count is not None:
             prompts = random.Random(args.seed).sample(prompts, min(args.count, len(prompts)))

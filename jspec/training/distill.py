@@ -40,14 +40,15 @@ FORMAT = 1
 
 def make(lm, prompts: list[dict], out: str | os.PathLike, *, count: int = 512, max_prompt_tokens: int = 256,
          max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 32, shard_size: int = 64,
-         batch_size: int = 16, seed: int = 0, progress: bool = True) -> Path:
-    """Write self-distillation shards for `count` of `prompts` (dicts as jspec.jsonl reads them)."""
+         batch_size: int = 16, seed: int = 0, source: str | None = None, progress: bool = True) -> Path:
+    """Write self-distillation shards for `count` of `prompts` (dicts as jspec.jsonl reads them);
+    `source` names where the prompts came from (the --prompts values), recorded in meta.json."""
     from tqdm import tqdm
 
     if count < 1 or max_new_tokens < 1 or top_k < 1 or shard_size < 1 or batch_size < 1:
         raise JspecError("count, max-new-tokens, top-k, shard-size and batch-size must all be >= 1")
     out = Path(out)
-    meta = {"format": FORMAT, "model": lm.name, "count": count, "max_prompt_tokens": max_prompt_tokens,
+    meta = {"format": FORMAT, "model": lm.name, "prompts": source, "count": count, "max_prompt_tokens": max_prompt_tokens,
             "max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
             "shard_size": shard_size, "seed": seed}
     check_or_write_meta(out, meta)

@@ -362,7 +362,8 @@ def train(lm, data_dirs, out, recipe: Recipe, eval_dirs=(), progress: bool = Tru
                "train_tokens": int(data["answer_lens"][train_rows].sum()), "held_out_sequences": len(eval_rows),
                "held_out_tokens": int(data["answer_lens"][eval_rows].sum()),
                **{k: round(v, 4) for k, v in final_metrics.items()}, "recipe": dataclasses.asdict(recipe),
-               "data": [{"path": f, **m} for f, m in zip(folders, data_metas)]}
+               "data": [{"path": f, **m, "sequences": int((data["folder"] == i).sum())}
+                        for i, (f, m) in enumerate(zip(folders, data_metas))]}
     meta = {"kind": recipe.kind, "exit_layer": recipe.exit_layer, "model": heads.fingerprint(cfg),
             "model_name": lm.name, "draft_vocab": int(len(vocab)), "training": summary}
     path = heads.save(out, {**final, "vocab": hp["vocab"]}, meta)

@@ -167,7 +167,7 @@ def evaluate_head(lm, head: str | Path, folders: list, data_folders: int, fracti
 def widths(ends: np.ndarray, length: int) -> np.ndarray:
     """The padded width each row trains at: the power of two (from 32) at or above where its text
     ends, at most `length`. Batches of one width compile once; most rows are far shorter than the
-    longest, which sets `length` (answers to 512-token prompts: 204 tokens on average of 640)."""
+    longest, which sets `length` (answers to prompts of up to 512 tokens: 208 on average of 640)."""
     return np.minimum(2 ** np.ceil(np.log2(np.maximum(ends, 32))).astype(np.int64), length)
 
 

@@ -168,9 +168,9 @@ def test_training_on_answers_and_text_with_held_out_answers(lm, data, tmp_path):
 def test_exit_states_by_width_equal_the_full_width_forward(lm, data):
     _, d = train.load_data([data])
     ends = d["prompt_lens"] + d["answer_lens"]
-    length = d["tokens"].shape[1]
-    assert (train.widths(ends, length) < length).any() and (train.widths(ends, length) >= ends).all()
-    got = train.exit_states(lm.params, lm.cfg, 2, d["tokens"], ends, 4)
+    length, width = d["tokens"].shape[1], train.widths(d)
+    assert (width < length).any() and (width >= ends).all()
+    got = train.exit_states(lm.params, lm.cfg, 2, d["tokens"], width, 4)
     full = train.exit_states(lm.params, lm.cfg, 2, d["tokens"], np.full_like(ends, length), 4)
     for row, end in enumerate(ends):
         np.testing.assert_allclose(got[row, :end], full[row, :end], atol=1e-5)

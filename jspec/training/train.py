@@ -155,26 +155,28 @@ def evaluate_head(lm, head: str | Path, folders: list, data_folders: int, fracti
     _, rows = held_out(data, data_folders, fraction, seed)
     data = {k: v[rows] for k, v in data.items()}  # the frozen layers run on the held-out rows only
     arrays = _prepare(data, np.asarray(hp["vocab"]), lm.cfg.vocab_size)
-    ends = data["prompt_lens"] + data["answer_lens"]
-    arrays["hidden"] = exit_states(lm.params, lm.cfg, meta["exit_layer"], data["tokens"], ends, 2 * batch_size)
+    width = widths(data)
+    arrays["hidden"] = exit_states(lm.params, lm.cfg, meta["exit_layer"], data["tokens"], width, 2 * batch_size)
     frozen = {"vocab": hp["vocab"], "lm_head": heads.draft_params(lm.params, hp)["lm_head"].astype(jnp.float32)}
     evaluate = jax.jit(lambda tr, batch: _losses(_forward(tr, frozen, lm.cfg, batch), batch, 0.0)[1])
-    return {**_evaluate(evaluate, {"layer": hp["layer"], "norm": hp["norm"]}, arrays, np.arange(len(rows)),
-                          widths(ends, data["tokens"].shape[1]), batch_size),
+    return {**_evaluate(evaluate, {"layer": hp["layer"], "norm": hp["norm"]}, arrays, np.arange(len(rows)), width,
+                          batch_size),
             "held_out_sequences": len(rows), "held_out_tokens": int(data["answer_lens"].sum())}
 
 
-def widths(ends: np.ndarray, length: int) -> np.ndarray:
-    """The padded width each row trains at: the power of two (from 32) at or above where its text
-    ends, at most `length`. Batches of one width compile once; most rows are far shorter than the
-    longest, which sets `length` (answers to prompts of up to 512 tokens: 208 on average of 640)."""
-    return np.minimum(2 ** np.ceil(np.log2(np.maximum(ends, 32))).astype(np.int64), length)
+def widths(data: dict) -> np.ndarray:
+    """The padded width each row [N] trains at: the power of two (from 32) at or above where its
+    text ends, at most the data's length. Batches of one width compile once; most rows are far
+    shorter than the longest, which sets the length (answers to prompts of up to 512 tokens: 208
+    on average of 640)."""
+    ends = data["prompt_lens"] + data["answer_lens"]
+    return np.minimum(2 ** np.ceil(np.log2(np.maximum(ends, 32))).astype(np.int64), data["tokens"].shape[1])
 
 
-def exit_states(params, cfg, exit_layer: int, tokens: np.ndarray, ends: np.ndarray, batch_size: int) -> np.ndarray:
+def exit_states(params, cfg, exit_layer: int, tokens: np.ndarray, width: np.ndarray, batch_size: int) -> np.ndarray:
     """The frozen target's layer-N hidden states of every sequence [N, L, D] (zero after each
-    row's width), computed once: the head trains for many epochs on them, and they are most of a
-    step's work otherwise. Rows run in order of length, each batch at its widest row's width."""
+    row's `width`), computed once: the head trains for many epochs on them, and they are most of a
+    step's work otherwise. Rows run in order of width, each batch at its widest row's."""
     @jax.jit
     def run(tokens):
         cache = M.KVCache.zeros(cfg, *tokens.shape)
@@ -182,8 +184,7 @@ def exit_states(params, cfg, exit_layer: int, tokens: np.ndarray, ends: np.ndarr
         return h.astype(jnp.float32)
 
     out = np.zeros(tokens.shape + (cfg.hidden_size,), np.float32)
-    width = widths(ends, tokens.shape[1])
-    order = np.argsort(ends, kind="stable")
+    order = np.argsort(width, kind="stable")
     for start in range(0, len(order), batch_size):
         rows = order[start:start + batch_size]
         w = int(width[rows].max())
@@ -255,9 +256,8 @@ def train(lm, data_dirs, out, recipe: Recipe, eval_dirs=(), progress: bool = Tru
     vocab = draft_vocabulary(data["tokens"][train_rows], data["prompt_lens"][train_rows],
                              data["answer_lens"][train_rows], cfg.vocab_size, recipe.draft_vocab)
     arrays = _prepare(data, vocab, cfg.vocab_size)
-    ends = data["prompt_lens"] + data["answer_lens"]
-    arrays["hidden"] = exit_states(params, cfg, recipe.exit_layer, data["tokens"], ends, 2 * recipe.batch_size)
-    width = widths(ends, data["tokens"].shape[1])
+    width = widths(data)
+    arrays["hidden"] = exit_states(params, cfg, recipe.exit_layer, data["tokens"], width, 2 * recipe.batch_size)
     hp = heads.init(params, cfg, recipe.kind, recipe.exit_layer, vocab)
     frozen = {"vocab": hp["vocab"], "lm_head": heads.draft_params(params, hp)["lm_head"].astype(jnp.float32)}
     trainable = {"layer": hp["layer"], "norm": hp["norm"]}

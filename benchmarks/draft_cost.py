@@ -47,7 +47,7 @@ def main() -> None:
             (f"first {n} layers", timed(shallow, params, cache))]
     for kind in heads.KINDS:
         hp = heads.init(params, cfg, kind, n, np.arange(8192, dtype=np.int32))
-        kv = heads.empty_kv(cfg, 1, 512)
+        kv = heads.empty_kv(cfg, hp, 1, 512)
         block = jax.jit(lambda hp, kv: heads.block(cfg, hp, h, positions, kv)[0])
         rows.append((f"{kind} head layer", timed(block, hp, kv)))
     x = h[:, 0]

@@ -31,10 +31,10 @@ def main() -> None:
     hp, meta = heads.load(methods.shipped(target, "eesd"), target.cfg)
     n = meta["exit_layer"]
     dtype = target.params["embed"].dtype
-    exit_layer = {k: jnp.asarray(v, dtype) for k, v in hp["layer"].items()}
-    params = {**target.params, "layers": target.params["layers"][:n] + [exit_layer],
+    exit_layers = [{k: jnp.asarray(v, dtype) for k, v in lp.items()} for lp in hp["layers"]]
+    params = {**target.params, "layers": target.params["layers"][:n] + exit_layers,
               "final_norm": jnp.asarray(hp["norm"], dtype)}
-    cfg = dataclasses.replace(target.cfg, num_layers=n + 1)
+    cfg = dataclasses.replace(target.cfg, num_layers=n + len(exit_layers))
     path = store.save(args.out, cfg, params, target.tokenizer, "float32",
                       f"first {n} layers of {target.name} + its shipped eesd exit layer")
     print(f"{cfg.num_layers}-layer draft model written to {path}")

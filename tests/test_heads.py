@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 
 from jspec import heads
+from jspec import model as M
 from jspec.api import Model
+from jspec.convert import store
 from jspec.cli import main
 from jspec.errors import JspecError
 from jspec.training import distill, teacher_forced, train
@@ -176,19 +178,54 @@ def test_exit_states_by_width_equal_the_full_width_forward(lm, data):
         np.testing.assert_allclose(got[row, :end], full[row, :end], atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", heads.KINDS)
-def test_training_lowers_the_loss(lm, data, tmp_path, kind):
+@pytest.mark.parametrize("kind, depth", [("eesd", 1), ("kangaroo", 1), ("eesd", 2)])
+def test_training_lowers_the_loss(lm, data, tmp_path, kind, depth):
     losses = []
-    path, summary = train.train(lm, data, tmp_path / "head", train.Recipe(**{**RECIPE.__dict__, "kind": kind}),
-                                progress=False, on_step=lambda step, m: losses.append(float(m["loss"])))
+    recipe = train.Recipe(**{**RECIPE.__dict__, "kind": kind, "head_layers": depth})
+    path, summary = train.train(lm, data, tmp_path / "head", recipe, progress=False,
+                                on_step=lambda step, m: losses.append(float(m["loss"])))
     assert len(losses) == RECIPE.steps
     assert np.mean(losses[-5:]) < 0.9 * np.mean(losses[:5])
     assert 0 < summary["agreement"] <= 1 and 0 < summary["expected_acceptance"] <= 1
     meta = heads.read_meta(path)
     assert (meta["kind"], meta["exit_layer"], meta["draft_vocab"]) == (kind, 1, 128)
     hp, _ = heads.load(path, lm.cfg)
-    assert ("w_down" in hp["layer"]) == (kind == "eesd")
+    assert len(hp["layers"]) == depth and all(("w_down" in lp) == (kind == "eesd") for lp in hp["layers"])
     assert hp["vocab"].shape == (128,) and (np.diff(np.asarray(hp["vocab"])) > 0).all()
+
+
+def test_a_head_of_the_remaining_layers_is_the_target(lm, tmp_path):
+    """An untrained EESD head of every layer after N, over the whole vocabulary, computes the
+    target's own logits, so it drafts what the target says: every draft is accepted."""
+    cfg, n = lm.cfg, 1
+    hp = heads.init(lm.params, cfg, "eesd", n, np.arange(cfg.vocab_size, dtype=np.int32), depth=cfg.num_layers - n)
+    tokens = jnp.asarray(token_prompts(1, cfg.vocab_size)[0]["token_ids"])[None]
+    cache = M.KVCache.zeros(cfg, *tokens.shape)
+    h, cache = M.run_layers(lm.params, cfg, M.embed(lm.params, tokens), None, cache, range(n))
+    x, _ = heads.block(cfg, hp, h, None, heads.empty_kv(cfg, hp, *tokens.shape))
+    full, _ = M.run_layers(lm.params, cfg, h, None, cache, range(n, cfg.num_layers))
+    np.testing.assert_allclose(heads.vocab_logits(cfg, heads.draft_params(lm.params, hp), x),
+                               M.logits(lm.params, cfg, full), atol=1e-4)
+    path = heads.save(tmp_path / "h", hp, {"kind": "eesd", "exit_layer": n, "model": heads.fingerprint(cfg)})
+    prompts = token_prompts(4, cfg.vocab_size, seed=3)
+    ar = lm.generate(prompts, max_new_tokens=NEW)
+    out = lm.generate(prompts, method="eesd", head=str(path), max_draft=3, controller="fixed",
+                      max_new_tokens=NEW, batch_size=4)
+    assert [r["token_ids"] for r in out] == [r["token_ids"] for r in ar]
+    assert all(r["stats"]["accepted"] == r["stats"]["drafted"] > 0 for r in out)
+
+
+def test_one_layer_heads_of_format_2_load(lm, tmp_path):
+    """Heads saved before heads had several layers (params `layer`) load as one-layer heads."""
+    hp = heads.init(lm.params, lm.cfg, "kangaroo", 1, np.arange(7, 60, dtype=np.int32))
+    path = tmp_path / "h"
+    store.save_params(path / "params", {"layer": hp["layers"][0], "norm": hp["norm"], "vocab": hp["vocab"]})
+    (path / "head.json").write_text(json.dumps({"format": 2, "kind": "kangaroo", "exit_layer": 1,
+                                                "model": heads.fingerprint(lm.cfg)}))
+    restored, _ = heads.load(path, lm.cfg)
+    assert jax.tree.structure(restored) == jax.tree.structure(hp)
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(hp)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_saved_head_restores_bit_identically(lm, tmp_path):
@@ -238,8 +275,8 @@ def test_head_for_another_model_is_refused(lm, make_tiny, tmp_path):
         with pytest.raises(JspecError, match=f"another model: .*{what}"):
             other.generate([{"token_ids": [5, 6, 7]}], method="kangaroo", head=str(path), max_new_tokens=2)
     meta = json.loads((path / "head.json").read_text())
-    (path / "head.json").write_text(json.dumps({**meta, "format": heads.FORMAT - 1}))
-    with pytest.raises(JspecError, match=f"format {heads.FORMAT - 1}; this jspec reads format {heads.FORMAT}"):
+    (path / "head.json").write_text(json.dumps({**meta, "format": 99}))
+    with pytest.raises(JspecError, match=f"format 99; this jspec reads formats 2 and {heads.FORMAT}"):
         lm.generate([{"token_ids": [5, 6, 7]}], method="kangaroo", head=str(path), max_new_tokens=2)
     (path / "head.json").write_text(json.dumps(meta))
     with pytest.raises(JspecError, match="kangaroo head, not a eesd head"):

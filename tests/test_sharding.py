@@ -151,7 +151,7 @@ HEAD_VOCAB = np.arange(16, 256, dtype=np.int32)
 def save_head(folder, lm, kind: str) -> tuple[str, dict]:
     hp = heads.init(lm.params, lm.cfg, kind, 1, HEAD_VOCAB)
     rng = np.random.default_rng(0)
-    hp["layer"] = jax.tree.map(lambda x: x + 0.05 * rng.standard_normal(x.shape).astype(np.float32), hp["layer"])
+    hp["layers"] = jax.tree.map(lambda x: x + 0.05 * rng.standard_normal(x.shape).astype(np.float32), hp["layers"])
     meta = {"kind": kind, "exit_layer": 1, "model": heads.fingerprint(lm.cfg)}
     return str(heads.save(folder / kind, hp, meta)), hp
 
@@ -177,7 +177,7 @@ def test_head_saved_on_one_device_drafts_on_a_mesh(converted, prompts, reference
         assert sum(r["stats"]["accepted"] for r in got) > 0
     _, dparams, _ = methods.build(kind, m, head=one_device_heads[kind])
     assert all(len(x.sharding.device_set) == 8 for x in jax.tree.leaves(dparams))
-    assert spec(dparams["layer"]["wqkv"]) == ("model", None)
+    assert spec(dparams["layers"][0]["wqkv"]) == ("model", None)
     assert spec(dparams["lm_head"]) == ("model", None)  # the draft vocabulary's rows [M, D], split over M
     assert dparams["vocab"].sharding.is_fully_replicated and dparams["norm"].sharding.is_fully_replicated
 
@@ -185,7 +185,7 @@ def test_head_saved_on_one_device_drafts_on_a_mesh(converted, prompts, reference
 def test_head_saved_on_a_mesh_loads_on_one_device(converted, prompts, reference, unsharded, tmp_path):
     sharded = jspec.load(converted, mesh="data=2,model=4")
     path, hp = save_head(tmp_path, sharded, "kangaroo")
-    assert len(hp["layer"]["wqkv"].sharding.device_set) == 8  # saved from the mesh
+    assert len(hp["layers"][0]["wqkv"].sharding.device_set) == 8  # saved from the mesh
     restored, _ = heads.load(path, unsharded.cfg)
     assert on_one_device(restored)
     records = unsharded.generate(prompts[:2], method="kangaroo", head=path, max_new_tokens=NEW)

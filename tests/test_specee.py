@@ -173,13 +173,13 @@ def reference(model, hp, pp, threshold, kv_mode, prompt, count):
     out = []
     for pos, token in enumerate(prompt):  # the prefill: full depth, the head's K/V at depth EXIT
         h = _run(cfg, layers, params["embed"][token], pos, kv, range(EXIT))
-        _kv(cfg, hp["layer"], h, pos, *head_kv)
+        _kv(cfg, hp["layers"][0], h, pos, *head_kv)
         h = _run(cfg, layers, h, pos, kv, range(EXIT, cfg.num_layers))
     tok = int(np.argmax(lm @ _norm(h, params["final_norm"], cfg)))
     for pos in range(len(prompt), len(prompt) + count - 1):
         out.append(tok)
         h = _run(cfg, layers, params["embed"][tok], pos, kv, range(EXIT))
-        x = _attend(cfg, hp["layer"], h, pos, *head_kv)
+        x = _attend(cfg, hp["layers"][0], h, pos, *head_kv)
         sub = lm[hp["vocab"]] @ _norm(x, hp["norm"], cfg)
         cands = hp["vocab"][np.argsort(-sub, kind="stable")[:4]]
         prev, exited = np.zeros(4), False

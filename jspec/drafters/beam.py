@@ -201,7 +201,7 @@ class Beam(Drafter):
         def readout(h):
             return heads.vocab_logits(cfg, dparams, model.rms_norm(h, dparams["norm"], cfg.rms_norm_eps))
 
-        return Stack(cfg, params, trunk, [(dparams["layer"], hk["k"], hk["v"])], readout)
+        return Stack(cfg, params, trunk, list(zip(dparams["layers"], hk["k"], hk["v"])), readout)
 
     def draft(self, params, dparams, cfg, s, controller, sampling, key):
         k = self.max_draft
@@ -226,6 +226,6 @@ class Beam(Drafter):
                                     model.KVCache(ck, cv), shallow)
         dstate = {**s.dstate, "hidden": jnp.concatenate([exits, h], axis=1)}
         if inner.head is not None:
-            hk, hv = written[len(shallow)]
-            dstate["head"] = inner.head.advance(dparams, cfg, h, final_pos, {"k": hk, "v": hv})
+            hk, hv = zip(*written[len(shallow):])
+            dstate["head"] = inner.head.advance(dparams, cfg, h, final_pos, {"k": list(hk), "v": list(hv)})
         return Draft(tokens, None, n, cache, dstate, s.cstate, logq)

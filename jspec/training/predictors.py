@@ -39,7 +39,7 @@ def _depth_arrays(params, hp, tokens, *, cfg, exit_layer: int, full: bool):
     when `full`, each depth's full-vocabulary argmax [P, B, T] (P = L - exit_layer depths)."""
     b, t = tokens.shape
     h, cache = M.run_layers(params, cfg, M.embed(params, tokens), None, M.KVCache.zeros(cfg, b, t), range(exit_layer))
-    x, _ = heads.block(cfg, hp, h, None, heads.empty_kv(cfg, b, t))
+    x, _ = heads.block(cfg, hp, h, None, heads.empty_kv(cfg, hp, b, t))
     _, idx = jax.lax.top_k(M.linear(x, hp["lm_head"], jnp.float32), predictors.CANDIDATES)
     rows = jnp.take(hp["lm_head"], idx, axis=0).astype(jnp.float32)  # [B, T, C, D]
     cand_logits, argmaxes = [], []

@@ -51,6 +51,7 @@ KEEP = 2  # checkpoints kept in OUT.train/
 class Recipe:
     kind: str = "eesd"
     exit_layer: int = 6
+    head_layers: int = 1
     steps: int = 600
     batch_size: int = 8
     lr: float = 1e-3
@@ -70,7 +71,7 @@ class Recipe:
     def check(self) -> None:
         if self.kind not in heads.KINDS:
             raise JspecError(f"unknown head kind {self.kind!r}; choose one of {', '.join(heads.KINDS)}")
-        for name in ("steps", "batch_size", "save_every", "patience"):
+        for name in ("head_layers", "steps", "batch_size", "save_every", "patience"):
             if getattr(self, name) < 1:
                 raise JspecError(f"--{name.replace('_', '-')} must be >= 1")
         if not 0 < self.eval_fraction < 1:
@@ -159,7 +160,7 @@ def evaluate_head(lm, head: str | Path, folders: list, data_folders: int, fracti
     arrays["hidden"] = exit_states(lm.params, lm.cfg, meta["exit_layer"], data["tokens"], width, 2 * batch_size)
     frozen = {"vocab": hp["vocab"], "lm_head": heads.draft_params(lm.params, hp)["lm_head"].astype(jnp.float32)}
     evaluate = jax.jit(lambda tr, batch: _losses(_forward(tr, frozen, lm.cfg, batch), batch, 0.0)[1])
-    return {**_evaluate(evaluate, {"layer": hp["layer"], "norm": hp["norm"]}, arrays, np.arange(len(rows)), width,
+    return {**_evaluate(evaluate, {"layers": hp["layers"], "norm": hp["norm"]}, arrays, np.arange(len(rows)), width,
                           batch_size),
             "held_out_sequences": len(rows), "held_out_tokens": int(data["answer_lens"].sum())}
 
@@ -201,7 +202,7 @@ def _forward(trainable, frozen, cfg, batch):
     h, prompt_lens = batch["hidden"], batch["prompt_lens"]
     b, length = h.shape[:2]
     hp = {**trainable, "vocab": frozen["vocab"]}
-    x, _ = heads.block(cfg, hp, h, None, heads.empty_kv(cfg, b, length))
+    x, _ = heads.block(cfg, hp, h, None, heads.empty_kv(cfg, hp, b, length))
     answer = batch["top_logp"].shape[1]
     at = jnp.minimum(prompt_lens[:, None] - 1 + jnp.arange(answer)[None], length - 1)
     x = jnp.take_along_axis(x, at[:, :, None], axis=1)
@@ -258,9 +259,9 @@ def train(lm, data_dirs, out, recipe: Recipe, eval_dirs=(), progress: bool = Tru
     arrays = _prepare(data, vocab, cfg.vocab_size)
     width = widths(data)
     arrays["hidden"] = exit_states(params, cfg, recipe.exit_layer, data["tokens"], width, 2 * recipe.batch_size)
-    hp = heads.init(params, cfg, recipe.kind, recipe.exit_layer, vocab)
+    hp = heads.init(params, cfg, recipe.kind, recipe.exit_layer, vocab, recipe.head_layers)
     frozen = {"vocab": hp["vocab"], "lm_head": heads.draft_params(params, hp)["lm_head"].astype(jnp.float32)}
-    trainable = {"layer": hp["layer"], "norm": hp["norm"]}
+    trainable = {"layers": hp["layers"], "norm": hp["norm"]}
 
     schedule = optax.warmup_cosine_decay_schedule(0.0, recipe.lr, recipe.warmup, max(recipe.steps, recipe.warmup + 1),
                                                   end_value=recipe.lr / 10)

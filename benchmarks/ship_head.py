@@ -4,7 +4,8 @@
 
 The card's speedup is the head's method (`eesd` or `kangaroo`, run on the default model with
 its defaults) over jspec `ar`, mean tokens/s over the same prompts at batch 1 in that results
-file (the Spec-Bench run of docs/benchmarks.md).
+file (the Spec-Bench run of docs/benchmarks.md). When the results measured the head before it was
+shipped, `--method` names its rows (e.g. `eesd:head=/path/to/it`).
 """
 
 from __future__ import annotations
@@ -53,12 +54,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("head")
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results.jsonl"))
+    ap.add_argument("--method", help="the results' method for this head (default: its kind)")
     args = ap.parse_args()
     src = Path(args.head)
     meta = json.loads((src / "head.json").read_text())
     kind, n, t = meta["kind"], meta["exit_layer"], meta["training"]
     rows = [json.loads(line) for line in Path(args.results).read_text().split("\n") if line.strip()]
-    speedup, accepted, prompts = speed(rows, kind)
+    speedup, accepted, prompts = speed(rows, args.method or kind)
     dest = DEST / kind
     if dest.resolve() != src.resolve():
         if dest.exists():

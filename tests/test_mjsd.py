@@ -207,8 +207,9 @@ def test_one_beam_drafts_and_caches_like_the_token_by_token_drafter(small, head_
     for i in range(cfg.num_layers):  # the prompts and this round's entries, up to position 6 + k
         close(got.cache.k[i][:, :7 + k], want.cache.k[i][:, :7 + k])
         close(got.cache.v[i][:, :7 + k], want.cache.v[i][:, :7 + k])
-    close(got.dstate["head"]["k"][:, :7 + k], want.dstate["head"]["k"][:, :7 + k])
-    close(got.dstate["head"]["v"][:, :7 + k], want.dstate["head"]["v"][:, :7 + k])
+    for name in ("k", "v"):  # each head layer's entries
+        for g, w in zip(got.dstate["head"][name], want.dstate["head"][name], strict=True):
+            close(g[:, :7 + k], w[:, :7 + k])
     assert np.all(np.isfinite(np.asarray(got.logq))) and np.all(np.asarray(got.logq) <= 0)
 
 

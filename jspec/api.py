@@ -5,10 +5,10 @@
     [r] = m.generate(["Name three primes."], max_new_tokens=64)
     print(r["text"], r["tokens_per_second"])
 
-Prompts of similar length are batched together (`batch_size` rows per compiled call, the last
-batch padded; see `batches`) and packed end to end for the prefill (`pack`), to length buckets,
-so a program is compiled once per (batch, prompt bucket, packed bucket, max_new_tokens, sampling,
-method) and never per prompt. Compilation
+Prompts of similar length are batched together (`batch_size` rows per compiled call, a short
+last batch padded to a power of two; see `batches` and `batch_rows`) and packed end to end for
+the prefill (`pack`), to length buckets, so a program is compiled once per (batch rows, prompt
+bucket, packed bucket, max_new_tokens, sampling, method) and never per prompt. Compilation
 happens before the clock starts: `seconds` is the wall time of the batch that produced a
 record, prefill included.
 """
@@ -116,6 +116,15 @@ def batches(requests: Sequence[Request], batch_size: int) -> list[list[Request]]
     return [ordered[i:i + batch_size] for i in range(0, len(ordered), batch_size)]
 
 
+def batch_rows(n: int, batch_size: int, shards: int = 1) -> int:
+    """Rows of the program that runs a batch of n requests: batch_size, or for a last batch short
+    of it the next power of two (a multiple of the data shards). Padding rows are not free: each
+    reads its cache every step, which a batch of long prompts pays for as much as for the weights;
+    powers of two keep the extra programs to log2(batch_size)."""
+    rows = 1 << (n - 1).bit_length()
+    return rows if rows < batch_size and rows % shards == 0 else batch_size
+
+
 class Model:
     def __init__(self, cfg: ModelConfig, params, tokenizer: Tokenizer | None = None, mesh=None, name: str = "model"):
         self.cfg, self.params, self.tokenizer, self.mesh, self.name = cfg, params, tokenizer, mesh, name
@@ -196,7 +205,11 @@ class Model:
     def _batches(self, requests, batch_size, max_new_tokens, sampling, seed, plan) -> Iterator[dict]:
         for batch in batches(requests, batch_size):
             key = jax.random.fold_in(jax.random.key(seed), batch[0].index)
-            yield from self._run_batch(batch, batch_size, max_new_tokens, sampling, key, plan)
+            yield from self._run_batch(batch, self.batch_rows(len(batch), batch_size), max_new_tokens, sampling,
+                                       key, plan)
+
+    def batch_rows(self, n: int, batch_size: int) -> int:
+        return batch_rows(n, batch_size, 1 if self.mesh is None else self.mesh.shape["data"])
 
     def _dtype_name(self) -> str:
         dtype = jax.tree.leaves(self.params)[0].dtype

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import TINY, hf_logits
-from jspec.api import MIN_PROMPT_BUCKET, Model, Request, batches
+from jspec.api import MIN_PROMPT_BUCKET, Model, Request, batch_rows, batches
 from jspec.errors import JspecError
 
 RECORD_FIELDS = {"id", "text", "token_ids", "new_tokens", "prompt_tokens", "seconds", "tokens_per_second", "stats"}
@@ -107,6 +107,12 @@ def test_mixed_length_batch_equals_batch_of_one(tiny_llama, tiny):
     assert sum(len(r) < 32 for r in ids(single)) >= 2 and sum(len(r) == 32 for r in ids(single)) >= 2
     for i, r in enumerate(batched):  # in prompt order, though they ran in length order
         check_record(r, i, lengths[i])
+
+
+def test_a_short_last_batch_runs_at_the_next_power_of_two_rows():
+    assert [batch_rows(n, 8) for n in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    assert [batch_rows(n, 6) for n in range(1, 7)] == [1, 2, 4, 4, 6, 6]
+    assert [batch_rows(n, 8, shards=4) for n in range(1, 9)] == [8, 8, 4, 4, 8, 8, 8, 8]  # rows split over 4 shards
 
 
 def test_batches_put_similar_lengths_together():

@@ -244,7 +244,7 @@ def spec_bf16(spec) -> Spec:
 
 
 def test_bfloat16_ar_batch8_equals_batch1(spec_bf16):
-    """Batch 8: the 4 prompts and 4 padding rows, a program of its own."""
+    """Batch 8 over 4 prompts: a program of 4 rows of its own (a short batch runs at a power of two)."""
     check_lossless(spec_bf16, spec_bf16.target.generate(spec_bf16.prompts, max_new_tokens=NEW, batch_size=8), k=0)
 
 

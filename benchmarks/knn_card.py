@@ -12,51 +12,49 @@ from pathlib import Path
 from jspec import knn
 
 
+def trials(sets: str, name: str) -> list[dict]:
+    log = Path(sets) / f"{name}.trials.jsonl"
+    return [json.loads(x) for x in log.read_text().splitlines()[1:] if x.strip()] if log.exists() else []
+
+
 def main(folder: str, sets: str) -> None:
     k = knn.load(folder)
+    search = next(s.info["search"] for s in k.sets if s.name != "pooled")
+    anchored = [s for s in k.sets if s.info.get("anchors")]
     lines = [
         "# knn-ssd for SmolLM2-135M-Instruct",
         "",
-        "`--method knn-ssd` on the default model reads this folder: a sublayer skip set per domain and 10",
-        "k-means anchors per domain (`anchors.npz`); each prompt drafts with the set of its nearest anchor",
-        "(docs/methods.md, \"KNN-SSD\").",
+        "`--method knn-ssd` on the default model reads this folder: a sublayer skip set per domain and",
+        f"{anchored[0].info['anchors']} k-means anchors per domain "
+        "(`anchors.npz`); each prompt drafts with the set of its nearest anchor (docs/methods.md, \"KNN-SSD\").",
         "",
         "**Data.** Training prompts only, never Spec-Bench: `train_prompts` categories coding, writing",
         "and math, and `jspec/data/domains/` translation, summarization, qa, text_to_sql, story_writing and",
-        "rag. `pooled` has no anchors: it is the single-set baseline (`--domain pooled`), the set with the",
-        "best mean modeled speed among those every searched domain tried (`benchmarks/knn_pooled.py`).",
+        "rag. `pooled` has no anchors: the single-set baseline (`--domain pooled`), searched the same way",
+        "on one prompt from each of the nine domains (`benchmarks/knn_pooled.py`), all nine timed at every trial.",
         "",
-        "**Search budget** (`jspec search-skip`, Optuna TPE over 2 x 30 sublayer choices, warm-started with",
-        "the shipped layer-skip set and SWIFT's middle-half set, each as whole layers, attention only and",
-        "MLP only): up to 8 trials per domain, each 2 prompts of one prompt bucket x 24 new tokens, greedy,",
-        "batch 1, K = 12, stop below 0.8 confidence. Objective `--objective modeled` (tokens per modeled",
-        "decode step: a verification of 13 positions costs 2.44 steps, a draft step the share of the",
-        "weights it reads), from the runs' own rounds and drafts: the shared 2-core machine (load average",
-        "13-16 throughout) made timings meaningless. The searches were stopped after about 45 minutes;",
-        "math, translation, summarization and rag had not finished a trial (their long prompts and late",
-        "start) and carry the first warm start, the shipped layer-skip set as whole layers, unmeasured.",
-        "This is far below the reference's 1,000 measured iterations per domain: a starting point, not",
-        "optima. `bash benchmarks/knn_search_all.sh` reruns and resumes it.",
+        f"**Search** (`jspec search-skip`, Optuna TPE over 2 x 30 sublayer choices, warm-started with the",
+        "shipped layer-skip set and SWIFT's middle-half set, each as whole layers, attention only and MLP",
+        f"only): {search['trials']} trials per domain, each {search['prompts_timed']} of the domain's prompts "
+        f"(one prompt bucket) x {search['max_new_tokens']} new tokens,",
+        f"greedy, batch 1, K = 12, stop below 0.8 confidence; objective `{search['objective']}` tokens/s, "
+        "one search at a time on the quiet 2-core CPU. `bash benchmarks/knn_search_all.sh` reruns",
+        "(and resumes) it; the reference runs 1,000 iterations per domain.",
         "",
-        "**Anchors** (`jspec fit-knn --count 16`): the prefill feature of 16 prompts per domain (not",
-        "1,000: the machine's time went to the search), 10 k-means centres each. translation and",
-        "text_to_sql have none: their features were not computed in time (`--no-anchors`), so no prompt",
-        "chooses them; `--domain` still runs their sets.",
+        f"**Anchors** (`jspec fit-knn`): the prefill feature of {anchored[0].info['anchor_prompts']} prompts "
+        "per domain, k-means centres of each.",
         "",
-        "| domain | skipped attention | skipped MLP | trials | modeled speed (ar = 1) | mean accepted tokens | anchors |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: |",
+        "| domain | skipped attention | skipped MLP | trials | tokens/s | `ar` tokens/s | mean accepted tokens | anchors |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for s in k.sets:
-        log = Path(sets) / f"{s.name}.trials.jsonl"
-        rows = [json.loads(x) for x in log.read_text().splitlines()[1:] if x.strip()] if log.exists() else []
-        best = max(rows, key=lambda r: r["objective"]) if rows else {}
-        speed = f"{best['modeled_speed']:.3f}" if best else \
-            f"({s.info['mean_modeled_speed']:.3f} mean)" if "mean_modeled_speed" in s.info else "-"
-        accepted = f"{best['mean_accepted_tokens']:.2f}" if best else "-"
+        rows = trials(sets, s.name)
+        best = max(rows, key=lambda r: r["objective"])
         lines.append(f"| {s.name} | {', '.join(map(str, s.attention)) or '-'} | {', '.join(map(str, s.mlp)) or '-'} | "
-                     f"{len(rows)} | {speed} | {accepted} | {s.info.get('anchors', 0)} |")
-    lines += ["", "Speed on the domain's own search prompts, modeled (measured tokens/s were 0.6-1.5 against `ar`'s",
-              "1-3 under that load). Measured Spec-Bench numbers: docs/benchmarks.md, \"KNN-SSD\".", ""]
+                     f"{len(rows)} | {best['measured_tokens_per_second']:.1f} | {best['ar_tokens_per_second']:.1f} | "
+                     f"{best['mean_accepted_tokens']:.2f} | {s.info.get('anchors', 0)} |")
+    lines += ["", "Speeds on the domain's own search prompts, as the search timed them. Spec-Bench numbers:",
+              "docs/benchmarks.md, \"KNN-SSD\".", ""]
     (Path(folder) / "README.md").write_text("\n".join(lines))
 
 

@@ -1,31 +1,28 @@
 #!/usr/bin/env bash
-# The shipped knn-ssd folder for the default model: search the nine domains' sublayer skip sets,
-# take the pooled baseline from them, fit the anchors, write the card.
-#   bash benchmarks/knn_search_all.sh [TRIALS]
-# The objective is the cost model (--objective modeled), which other work on a shared machine
-# cannot disturb, so the searches run side by side. Rerunning resumes every search from its trial
-# log; a smaller TRIALS finishes them with the trials already logged (the shipped folder was
-# finished that way: the card lists each domain's count).
+# The shipped knn-ssd folder for the default model: search each of the nine domains' sublayer skip
+# set and one set on all domains pooled (the baseline), fit the anchors, write the card.
+#   bash benchmarks/knn_search_all.sh [TRIALS] [ANCHOR_PROMPTS]
+# The objective is measured tokens/s, so the searches run one after another on a quiet machine.
+# Rerunning resumes every search from its trial log; a smaller TRIALS finishes them with the
+# trials already logged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 sets=benchmarks/knn_sets
-trials=${1:-8}
+trials=${1:-30}
+anchor_prompts=${2:-1000}
 search() {
-  jspec search-skip --objective modeled --trials "$trials" --count 2 --max-new-tokens 24 \
-    --out "$sets/$1.json" "${@:2}" > "$sets/$1.log" 2>&1
+  jspec search-skip --objective measured --trials "$trials" --max-new-tokens 32 \
+    --out "$sets/$1.json" "${@:2}" 2> "$sets/$1.log"
 }
 mkdir -p "$sets"
-search coding --prompts train_prompts --category coding &
-search writing --prompts train_prompts --category writing &
-search math --prompts train_prompts --category math &
-search translation --prompts domains/translation &
-search summarization --prompts domains/summarization &
-search qa --prompts domains/qa &
-search text_to_sql --prompts domains/text_to_sql &
-search story_writing --prompts domains/story_writing &
-search rag --prompts domains/rag &
-wait
-python benchmarks/knn_pooled.py "$sets"
+search coding --prompts train_prompts --category coding --count 4
+search writing --prompts train_prompts --category writing --count 4
+search math --prompts train_prompts --category math --count 4
+for d in translation summarization qa text_to_sql story_writing rag; do
+  search "$d" --prompts "domains/$d" --count 4
+done
+python benchmarks/knn_pooled.py "$sets/pooled_prompts.jsonl"
+search pooled --prompts "$sets/pooled_prompts.jsonl" --count 9 --all-buckets
 folder=checkpoints/smollm2-135m-instruct/knn-ssd
-jspec fit-knn --sets "$sets" --out "$folder" --count 16 --no-anchors pooled
+jspec fit-knn --sets "$sets" --out "$folder" --count "$anchor_prompts" --no-anchors pooled
 python benchmarks/knn_card.py "$folder" "$sets"

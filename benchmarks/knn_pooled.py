@@ -12,20 +12,20 @@ import random
 import statistics
 import sys
 
+from jspec import prompt_sets
 from jspec.skip_search import domain_prompts
 
 DOMAINS = {"coding": ("train_prompts", "coding"), "writing": ("train_prompts", "writing"),
-           "math": ("train_prompts", "math"), **{d: (f"domains/{d}", None) for d in
-           ("translation", "summarization", "qa", "text_to_sql", "story_writing", "rag")}}
+           "math": ("train_prompts", "math"), **{d: (f"domains/{d}", None) for d in prompt_sets.DOMAINS}}
 
 
 def main(out: str, seed: int = 0) -> None:
     rows = []
     for name, (source, category) in DOMAINS.items():
         prompts = domain_prompts(source, category)
-        median = statistics.median(len(json.dumps(p["prompt"])) for p in prompts)
-        prompts = [p for p in prompts if len(json.dumps(p["prompt"])) <= median]  # typical, not the longest
-        p = random.Random(seed).choice(prompts)
+        lengths = [len(json.dumps(p["prompt"])) for p in prompts]
+        median = statistics.median(lengths)
+        p = random.Random(seed).choice([p for p, n in zip(prompts, lengths) if n <= median])  # typical, not the longest
         rows.append({"id": f"{name}/{p['id']}", "category": name, "prompt": p["prompt"]})
     with open(out, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)

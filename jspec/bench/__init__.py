@@ -223,8 +223,9 @@ def run_jspec(model, spec: MethodSpec, options: dict, chunk: list, requests: lis
     from jspec.api import batches
 
     [batch] = batches(requests, batch_size)
-    tokens, packing = model.pack(batch, model.batch_rows(len(batch), batch_size))
-    shape = (spec.label, batch_size, tokens.shape, packing.bucket)
+    rows = model.batch_rows(len(batch), batch_size)
+    tokens, packing = model.pack(batch, rows)
+    shape = (spec.label, rows, tokens.shape, packing.bucket)  # the program `run` compiles
     run = lambda: list(model.stream(requests, spec.name, max_new_tokens=args.max_new_tokens,  # noqa: E731
                                     batch_size=batch_size, **options))
     if shape not in warmed:  # compile (before the clock) and run once untimed

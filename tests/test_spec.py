@@ -34,6 +34,7 @@ from jspec.api import Model
 from jspec.controllers import Fixed
 from jspec.convert import store
 from jspec.drafters.base import Draft, Drafter
+from jspec.engine.loop import verify_widths
 from jspec.sampling import Sampling, probabilities
 
 NEW = 32  # max_new_tokens of the greedy tests
@@ -294,6 +295,7 @@ class Oracle(Drafter):
 
     max_draft: int = 4
     wrong_at: int = -1
+    proposes: int = -1  # tokens proposed a round (-1: max_draft)
 
     def draft(self, params, dparams, cfg, s, controller, sampling, key):
         width = dparams.shape[1]
@@ -301,8 +303,21 @@ class Oracle(Drafter):
         tokens = jnp.take_along_axis(dparams, jnp.minimum(pos, width - 1), axis=1)
         if self.wrong_at >= 0:
             tokens = tokens.at[:, self.wrong_at].set((tokens[:, self.wrong_at] + 1) % cfg.vocab_size)
-        n = jnp.where(s.done, 0, self.max_draft).astype(jnp.int32)
+        n = jnp.where(s.done, 0, self.max_draft if self.proposes < 0 else self.proposes).astype(jnp.int32)
         return Draft(tokens, None, n, s.cache, s.dstate, s.cstate)
+
+
+VERIFIED_WIDTHS = []
+
+
+@dataclasses.dataclass(frozen=True)
+class WidthRecorder(Oracle):
+    """An Oracle that notes how many positions each verification runs over (a callback runs only
+    in the branch the round takes)."""
+
+    def verify(self, params, dparams, cfg, tokens, positions, cache, dstate):
+        jax.debug.callback(lambda: VERIFIED_WIDTHS.append(tokens.shape[1]))
+        return super().verify(params, dparams, cfg, tokens, positions, cache, dstate)
 
 
 def run_oracle(spec: Spec, drafter: Oracle):
@@ -316,6 +331,18 @@ def run_oracle(spec: Spec, drafter: Oracle):
         table[i, :len(row)] = row
     return m._run_batch(requests, len(requests), NEW, Sampling(), jax.random.key(0),
                         (drafter, jnp.asarray(table), Fixed()))
+
+
+@pytest.mark.parametrize("proposes", [1, 3, 8])
+def test_a_round_verifies_only_what_it_drafted(spec, proposes):
+    """With up to K = 8 drafts but `proposes` drafted a round, each verification runs over the
+    narrowest width that holds them (2, 5, 9 positions), and the output is still ar's."""
+    VERIFIED_WIDTHS.clear()
+    records = run_oracle(spec, WidthRecorder(max_draft=8, proposes=proposes))
+    assert ids(records) == spec.ar
+    assert verify_widths(8) == (2, 3, 5, 9)
+    assert set(VERIFIED_WIDTHS) == {1 + {1: 1, 3: 4, 8: 8}[proposes]}
+    assert len(VERIFIED_WIDTHS) == max(r["stats"]["rounds"] for r in records) - 1
 
 
 def test_layer_skip_default_sets(default_model, spec):

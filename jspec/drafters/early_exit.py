@@ -71,4 +71,5 @@ class EarlyExit(Drafter):
         return Draft(tokens, probs, n, cache, dstate, cstate)
 
     def verify(self, params, dparams, cfg, tokens, positions, cache, dstate):
-        return model.run_layers(params, cfg, dstate["hidden"], positions, cache, self._deep(cfg))
+        hidden = dstate["hidden"][:, :tokens.shape[1]]  # a narrower verification: the first positions
+        return model.run_layers(params, cfg, hidden, positions, cache, self._deep(cfg))

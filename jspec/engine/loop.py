@@ -59,6 +59,20 @@ def _emit(s: LoopState, tokens: jax.Array, count: jax.Array, eos_ids, max_new_to
     return dataclasses.replace(s, seq=seq, last=last, length=s.length + count, n=n, done=done)
 
 
+def verify_widths(max_draft: int) -> tuple[int, ...]:
+    """The widths a verification can take: 1 + each power of two below K, and K + 1. A round
+    verifies the narrowest that holds its longest live draft, so a round whose drafting stopped
+    early does not pay for K + 1 positions (each width is one more compiled forward; two
+    positions cost about one, so a round that proposed nothing still verifies two)."""
+    return tuple(sorted({1 + min(2 ** i, max_draft) for i in range(max(max_draft, 1).bit_length())}
+                        | {1 + max_draft})) if max_draft else (1,)
+
+
+def width_index(widths: tuple[int, ...], longest: jax.Array) -> jax.Array:
+    """Index of the narrowest of widths that verifies `longest` drafted tokens (and the last one)."""
+    return jnp.sum(jnp.asarray(widths)[:-1] < longest + 1).astype(jnp.int32)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling", "max_new_tokens", "drafter", "controller"),
                    donate_argnames=("cache",))
 def generate(params, dparams, cache: model.KVCache, tokens, packing: model.Packing, eos_ids, key, *,
@@ -87,8 +101,20 @@ def generate(params, dparams, cache: model.KVCache, tokens, packing: model.Packi
         d = drafter.draft(params, dparams, cfg, s, controller, sampling, k_draft)
         positions = s.length[:, None] + jnp.arange(k + 1)[None, :]
         fed = jnp.concatenate([s.last[:, None], d.tokens], axis=1)
-        h, cache = drafter.verify(params, dparams, cfg, fed, positions, d.cache, d.dstate)
-        target_logits = drafter.target_logits(params, dparams, cfg, h, d.dstate, sampling)
+
+        def verify(width):
+            def run(cache):
+                h, cache = drafter.verify(params, dparams, cfg, fed[:, :width], positions[:, :width], cache, d.dstate)
+                logits = drafter.target_logits(params, dparams, cfg, h, d.dstate, sampling)
+                return jnp.pad(logits, ((0, 0), (0, k + 1 - width), (0, 0))), cache
+            return run
+
+        widths = verify_widths(k)
+        if len(widths) == 1:
+            target_logits, cache = verify(widths[0])(d.cache)
+        else:
+            pick = width_index(widths, jnp.max(jnp.where(live, d.n, 0)))
+            target_logits, cache = jax.lax.switch(pick, [verify(w) for w in widths], d.cache)
         if drafter.accept is not None:
             n_acc, nxt = drafter.accept(d, target_logits, sampling, k_accept)
         elif sampling.greedy:

@@ -107,6 +107,11 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
                    help="knn-ssd: a folder from jspec fit-knn (default: the one shipped for the default model)")
     d.add_argument("--domain", default=None, metavar="NAME",
                    help="knn-ssd: run this domain's skip set on every prompt instead of choosing by anchor")
+    d.add_argument("--lookup", type=int, default=None, metavar="N",
+                   help="draft, early-exit, eesd, kangaroo, knn-ssd, layer-skip: copy what followed an earlier "
+                        "repeat of the last N tokens (1-3) instead of drafting, when there is one (default: off)")
+    d.add_argument("--lookup-draft", type=int, default=None, metavar="K",
+                   help="with --lookup: most tokens copied per round (default: 4, at least --max-draft)")
     m = p.add_argument_group("mjsd (lossy: the output differs from ar's)")
     m.add_argument("--beam-width", type=int, default=None, metavar="W",
                    help="beams drafted per round (default: 4)")
@@ -163,7 +168,7 @@ def generation_options(args: argparse.Namespace) -> dict:
               "exit_layer": args.exit_layer, "skip_layers": skip, "draft_model": args.draft_model,
               "head": args.head, "beam_width": args.beam_width, "accept_threshold": args.accept_threshold,
               "exit_threshold": args.exit_threshold, "predictors": args.predictors, "knn": args.knn,
-              "domain": args.domain}
+              "domain": args.domain, "lookup": args.lookup, "lookup_draft": args.lookup_draft}
     return dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, temperature=args.temperature,
                 top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                 **{k: v for k, v in method.items() if v is not None})

@@ -22,6 +22,7 @@ from jspec.drafters.draft_model import DraftModel
 from jspec.drafters.early_exit import EarlyExit
 from jspec.drafters.knn_ssd import KnnSsd
 from jspec.drafters.layer_skip import LayerSkip
+from jspec.drafters.lookup import Lookup
 from jspec.drafters import specee
 from jspec.drafters.ngram import NGram
 from jspec.drafters.none import NoDraft
@@ -42,6 +43,11 @@ ACCEPT_THRESHOLD = 0.5
 KNN_MAX_DRAFT = 12
 KNN_THRESHOLD = 0.8
 HEAD_METHODS = heads.KINDS
+# Prompt lookup in front of a model drafter (--lookup): copy a repeat of at least 2 tokens, up to
+# 4 tokens at a time (docs/methods.md, "Prompt lookup first").
+LOOKUP_METHODS = ("draft", "early-exit", "eesd", "kangaroo", "knn-ssd", "layer-skip")
+LOOKUP_MIN_NGRAM = 2
+LOOKUP_MAX_DRAFT = 4
 SPECEE_CHOICES = specee.CHOICES
 # The reference's 0.5 lets SmolLM2-135M's predictors (held-out precision 0.57-0.70 below depth 21)
 # exit on tokens the full model would not write: output NLL 3.5x ar's. 0.9 measured +14% at 1.29x
@@ -49,8 +55,8 @@ SPECEE_CHOICES = specee.CHOICES
 EXIT_THRESHOLD = 0.9
 
 
-# K fixes the verification width (K + 1 positions every round, whatever the controller stops at).
-# On a CPU, before the native kernel, a forward over 2 or 3 positions cost 1.5 decode steps and
+# K fixes the widest verification (a round verifies its longest live draft, rounded up to
+# 1 + a power of two: jspec.engine.loop.verify_widths). On a CPU, before the native kernel, a forward over 2 or 3 positions cost 1.5 decode steps and
 # over 5 about 2.1 (benchmarks/forward_cost.py), so with the trained heads' agreement (about 0.45)
 # K = 1 was the fastest there, a little ahead of K = 2 (docs/heads.md). With the native kernels
 # (2 positions at 1.06-1.28 steps) K = 1 is still the fastest, now by 0.13-0.17x `ar` over K = 2
@@ -94,8 +100,13 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
           thompson_variant: str | None = None, draft_cost: float | None = None, head: str | None = None,
           beam_width: int | None = None, accept_threshold: float | None = None,
           exit_threshold: float | None = None, predictors: str | None = None, exit_choice: str | None = None,
-          exit_kv: str | None = None, knn: str | None = None, domain: str | None = None):
+          exit_kv: str | None = None, knn: str | None = None, domain: str | None = None,
+          lookup: int | None = None, lookup_draft: int | None = None):
     """(drafter, drafter params, controller) for `method` on `model` (a jspec.api.Model)."""
+    if lookup is not None or lookup_draft is not None:
+        options = {k: v for k, v in locals().items() if k not in ("method", "model", "lookup", "lookup_draft")}
+        drafter, dparams, ctrl = build(method, model, **options)
+        return _lookup_first(method, drafter, lookup, lookup_draft), dparams, ctrl
     if method not in METHODS:
         raise JspecError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if method != "mjsd" and (beam_width is not None or accept_threshold is not None):
@@ -153,6 +164,20 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
         raise JspecError(f"the draft model's vocabulary ({draft_model.cfg.vocab_size}) differs from the "
                          f"target's ({cfg.vocab_size}); they must share a tokenizer")
     return DraftModel(draft_cfg=draft_model.cfg, max_draft=k), _placed(draft_model.params, model), ctrl
+
+
+def _lookup_first(method: str, drafter, min_ngram: int | None, k: int | None) -> Lookup:
+    """`drafter` behind prompt lookup (jspec.drafters.lookup)."""
+    if method not in LOOKUP_METHODS:
+        raise JspecError(f"--lookup goes with --method {', '.join(LOOKUP_METHODS)}")
+    min_ngram = LOOKUP_MIN_NGRAM if min_ngram is None else min_ngram
+    k = max(LOOKUP_MAX_DRAFT, drafter.max_draft) if k is None else k
+    if not (isinstance(min_ngram, int) and 1 <= min_ngram <= Lookup.max_ngram):
+        raise JspecError(f"--lookup (the shortest repeat that is copied) must be 1 to {Lookup.max_ngram}, "
+                         f"got {min_ngram}")
+    if not (isinstance(k, int) and drafter.max_draft <= k <= 64):
+        raise JspecError(f"--lookup-draft must be between --max-draft ({drafter.max_draft}) and 64, got {k}")
+    return Lookup(inner=drafter, max_draft=k, min_ngram=min_ngram)
 
 
 def _mjsd(model, k, exit_layer, draft_model, head, beam_width, accept_threshold):

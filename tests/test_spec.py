@@ -285,6 +285,25 @@ def test_unrelated_draft_model(spec, tmp_path_factory):
     check_lossless(spec, records, fixed_model_drafter=True)
 
 
+@pytest.mark.parametrize("drafter,batch_size", [("eesd", 1), ("eesd", 4), ("kangaroo", 4), ("draft", 4),
+                                                 ("layer-skip", 1)])
+def test_lookup_first_equals_ar(spec, drafter, batch_size):
+    """Prompt lookup in front of a model drafter: rounds of both kinds happen, and the output is ar's.
+    A batch round copies only when every live row has a repeat; in this batch the rows of prompt 1
+    find one once those of prompt 0 are done."""
+    rows = [0, 1, 0, 1] if batch_size > 1 else range(len(spec.prompts))
+    opts = {**DRAFTERS[drafter], "draft_model": spec.draft} if drafter == "draft" else dict(DRAFTERS[drafter])
+    if drafter in heads.KINDS:
+        opts["head"] = spec.heads[drafter]
+    records = spec.target.generate([spec.prompts[i] for i in rows], max_new_tokens=NEW, batch_size=batch_size,
+                                   max_draft=2, controller="fixed", lookup=2 if batch_size == 1 else 1,
+                                   lookup_draft=K, **opts)
+    assert ids(records) == [spec.ar[i] for i in rows]
+    check_stats(records, K)
+    lookups = [r["stats"]["lookup_rounds"] for r in records]
+    assert sum(lookups) > 0 and any(n < r["stats"]["rounds"] - 1 for n, r in zip(lookups, records))
+
+
 # -- an oracle drafter: whole drafts accepted, EOS inside them, drafts crossing max_new_tokens ----
 
 @dataclasses.dataclass(frozen=True)
@@ -477,6 +496,8 @@ SAMPLED = {
     "draft-filtered": dict(method="draft", max_draft=3, controller="fixed", temperature=0.8, top_k=6, top_p=0.9),
     "eesd": dict(method="eesd", max_draft=3),  # thompson; a draft vocabulary of 12 of the 16 tokens
     "kangaroo": dict(method="kangaroo", max_draft=3),  # confidence
+    # every token is in the prompt: every round copies (q one-hot), the head's state fed behind it
+    "eesd-lookup": dict(method="eesd", max_draft=3, lookup=1, lookup_draft=3),
 }
 
 

@@ -56,6 +56,17 @@ class Drafter:
     def verify(self, params, dparams, cfg, tokens, positions, cache, dstate):
         return model.forward(params, cfg, tokens, positions, cache)
 
+    def room(self, dstate, max_draft: int):
+        """dstate with space for max_draft drafts, for a wrapper that may propose more tokens than
+        this drafter's own K (jspec.drafters.lookup). Nothing to do by default."""
+        return dstate
+
+    def feed(self, params, dparams, cfg, cache, dstate, tokens, positions):
+        """(cache, dstate) as if this drafter had drafted tokens [B, T] (the newest committed
+        token, then another proposer's draft) at positions [B, T], for a wrapper whose other
+        proposer drafted them. Nothing to do by default: verification runs the whole target."""
+        return cache, dstate
+
     def target_logits(self, params, dparams, cfg, h, dstate, sampling):
         """The target's logits [B, K+1, V] from verify's states: its final norm and LM head, which
         a lossy drafter (SpecEE) may replace."""

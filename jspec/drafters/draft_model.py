@@ -38,3 +38,7 @@ class DraftModel(Drafter):
         final = tokens[jnp.arange(tokens.shape[0]), jnp.maximum(n - 1, 0)]
         _, dcache = model.forward(dparams, dcfg, final[:, None], (s.length + n)[:, None], dcache)
         return Draft(tokens, probs, n, s.cache, {"cache": dcache}, cstate)
+
+    def feed(self, params, dparams, cfg, cache, dstate, tokens, positions):
+        _, dcache = model.forward(dparams, self.draft_cfg, tokens, positions, dstate["cache"])
+        return cache, {"cache": dcache}

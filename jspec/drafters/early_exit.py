@@ -70,6 +70,17 @@ class EarlyExit(Drafter):
             dstate = {**dstate, "head": self.head.advance(dparams, cfg, h, positions, dstate["head"])}
         return Draft(tokens, probs, n, cache, dstate, cstate)
 
+    def room(self, dstate, max_draft):
+        hidden = dstate["hidden"]
+        return {**dstate, "hidden": jnp.pad(hidden, ((0, 0), (0, max_draft + 1 - hidden.shape[1]), (0, 0)))}
+
+    def feed(self, params, dparams, cfg, cache, dstate, tokens, positions):
+        h, cache = model.run_layers(params, cfg, model.embed(params, tokens), positions, cache, self._shallow(cfg))
+        dstate = {**dstate, "hidden": h}
+        if self.head is not None:
+            dstate = {**dstate, "head": self.head.advance(dparams, cfg, h, positions, dstate["head"])}
+        return cache, dstate
+
     def verify(self, params, dparams, cfg, tokens, positions, cache, dstate):
         hidden = dstate["hidden"][:, :tokens.shape[1]]  # a narrower verification: the first positions
         return model.run_layers(params, cfg, hidden, positions, cache, self._deep(cfg))

@@ -13,26 +13,33 @@ import jax.numpy as jnp
 from jspec.drafters.base import Draft, Drafter
 
 
+def lookup(seq: jax.Array, end: jax.Array, max_draft: int, min_ngram: int, max_ngram: int):
+    """seq [B, S] (the newest token of row b at end[b]) -> (tokens [B, max_draft], found [B]): what
+    followed the most recent earlier occurrence of the row's last n tokens, for the longest n in
+    min_ngram..max_ngram that occurs, and how many of those tokens exist (0: no match)."""
+    b, length = seq.shape
+    pos = jnp.arange(length)[None, :]
+    best = jnp.full((b,), -1, jnp.int32)
+    for n in range(min_ngram, max_ngram + 1):  # longer n-grams override shorter ones
+        match = (pos >= n - 1) & (pos < end[:, None])
+        for t in range(n):
+            earlier = jnp.take_along_axis(seq, jnp.maximum(pos - t, 0), axis=1)
+            match &= earlier == jnp.take_along_axis(seq, (end - t)[:, None], axis=1)
+        found = jnp.max(jnp.where(match, pos, -1), axis=1)
+        best = jnp.where(found >= 0, found, best)
+    slots = jnp.arange(max_draft)[None, :]
+    tokens = jnp.take_along_axis(seq, jnp.minimum(best[:, None] + 1 + slots, length - 1), axis=1)
+    return tokens, jnp.where(best >= 0, jnp.minimum(end - best, max_draft), 0)
+
+
 @dataclasses.dataclass(frozen=True)
 class NGram(Drafter):
     max_draft: int = 8
     max_ngram: int = 3
 
     def draft(self, params, dparams, cfg, s, controller, sampling, key):
-        b, length = s.seq.shape
-        end = s.length  # position of the newest token, `last`
-        pos = jnp.arange(length)[None, :]
-        best = jnp.full((b,), -1, jnp.int32)
-        for n in range(1, self.max_ngram + 1):  # longer n-grams override shorter ones
-            match = (pos >= n - 1) & (pos < end[:, None])
-            for t in range(n):
-                earlier = jnp.take_along_axis(s.seq, jnp.maximum(pos - t, 0), axis=1)
-                match &= earlier == jnp.take_along_axis(s.seq, (end - t)[:, None], axis=1)
-            found = jnp.max(jnp.where(match, pos, -1), axis=1)
-            best = jnp.where(found >= 0, found, best)
-        slots = jnp.arange(self.max_draft)[None, :]
-        tokens = jnp.take_along_axis(s.seq, jnp.minimum(best[:, None] + 1 + slots, length - 1), axis=1)
-        n_found = jnp.where(best >= 0, jnp.minimum(end - best, self.max_draft), 0)
+        b = s.seq.shape[0]
+        tokens, n_found = lookup(s.seq, s.length, self.max_draft, 1, self.max_ngram)
         cap = jnp.full((b,), self.max_draft, jnp.int32)
         cstate = s.cstate
         ones = jnp.ones((b,), jnp.float32)

@@ -1,0 +1,72 @@
+"""Prompt lookup first: a round whose text so far already holds its last n tokens (n >=
+min_ngram) proposes what followed them, as n-gram drafting does, and only the other rounds run
+the wrapped drafter (a head, layer skipping, a draft model).
+
+Copying is free and, where the text repeats itself (extraction, summaries, code, lists), right
+for several tokens at once, while a model drafter pays a draft step per token and is accepted
+for about one. Lookup tokens are fed through the wrapped drafter afterwards (`Drafter.feed`:
+the shallow layers and the head's cache for an early exit, the draft model's cache), so its
+state has no holes and an early exit's verification still reuses the shallow layers' work.
+Lossless like both parts: verification and acceptance are the target's.
+
+A batch round drafts by lookup when every live row found a match, otherwise every row runs the
+wrapped drafter (a round has one verification). The controller sees every round's counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jspec.drafters.base import Draft, Drafter
+from jspec.drafters.ngram import lookup
+
+
+@dataclasses.dataclass(frozen=True)
+class Lookup(Drafter):
+    inner: Drafter
+    max_draft: int = 4  # tokens a lookup proposes; the wrapped drafter keeps its own K (<= this)
+    min_ngram: int = 2
+    max_ngram: int = 3
+
+    def prefill(self, params, dparams, cfg, tokens, packing, cache):
+        h, cache, dstate = self.inner.prefill(params, dparams, cfg, tokens, packing, cache)
+        rounds = jnp.zeros(packing.lens.shape, jnp.int32)
+        return h, cache, {"inner": self.inner.room(dstate, self.max_draft), "lookup_rounds": rounds}
+
+    def draft(self, params, dparams, cfg, s, controller, sampling, key):
+        k, live = self.max_draft, ~s.done
+        tokens, found = lookup(s.seq, s.length, k, self.min_ngram, self.max_ngram)
+        use = jnp.all((found > 0) | ~live)
+        inner_s = dataclasses.replace(s, dstate=s.dstate["inner"])
+
+        def by_lookup():
+            fed = jnp.concatenate([s.last[:, None], tokens], axis=1)
+            positions = s.length[:, None] + jnp.arange(k + 1)[None, :]
+            cache, dstate = self.inner.feed(params, dparams, cfg, s.cache, inner_s.dstate, fed, positions)
+            probs = None if sampling.greedy else jax.nn.one_hot(tokens, cfg.vocab_size, dtype=jnp.float32)
+            return tokens, probs, jnp.where(live, found, 0), cache, dstate, s.cstate
+
+        def by_inner():
+            d = self.inner.draft(params, dparams, cfg, inner_s, controller, sampling, key)
+            pad = k - d.tokens.shape[1]
+            probs = None if d.probs is None else jnp.pad(d.probs, ((0, 0), (0, pad), (0, 0)))
+            return jnp.pad(d.tokens, ((0, 0), (0, pad))), probs, d.n, d.cache, d.dstate, d.cstate
+
+        tokens, probs, n, cache, dstate, cstate = jax.lax.cond(use, by_lookup, by_inner)
+        dstate = {"inner": dstate, "lookup_rounds": s.dstate["lookup_rounds"] + (use & live)}
+        return Draft(tokens, probs, n, cache, dstate, cstate)
+
+    def verify(self, params, dparams, cfg, tokens, positions, cache, dstate):
+        return self.inner.verify(params, dparams, cfg, tokens, positions, cache, dstate["inner"])
+
+    def target_logits(self, params, dparams, cfg, h, dstate, sampling):
+        return self.inner.target_logits(params, dparams, cfg, h, dstate["inner"], sampling)
+
+    def stats(self, dstate):
+        return {**self.inner.stats(dstate["inner"]), "lookup_rounds": dstate["lookup_rounds"]}
+
+    def record_stats(self, stats):
+        return {**self.inner.record_stats(stats), "lookup_rounds": stats["lookup_rounds"]}

@@ -56,8 +56,8 @@ EXIT_THRESHOLD = 0.9
 
 
 # K fixes the widest verification (a round verifies its longest live draft, rounded up to
-# 1 + a power of two: jspec.engine.loop.verify_widths). On a CPU, before the native kernel, a forward over 2 or 3 positions cost 1.5 decode steps and
-# over 5 about 2.1 (benchmarks/forward_cost.py), so with the trained heads' agreement (about 0.45)
+# 1 + a power of two: jspec.engine.loop.verify_widths). On a CPU, before the native kernel, a
+# forward over 2 or 3 positions cost 1.5 decode steps and over 5 about 2.1 (benchmarks/forward_cost.py), so with the trained heads' agreement (about 0.45)
 # K = 1 was the fastest there, a little ahead of K = 2 (docs/heads.md). With the native kernels
 # (2 positions at 1.06-1.28 steps) K = 1 is still the fastest, now by 0.13-0.17x `ar` over K = 2
 # (docs/heads.md, "Draft length"). Accelerators verify a few positions for about one step's price.

@@ -182,6 +182,18 @@ def test_head_saved_on_one_device_drafts_on_a_mesh(converted, prompts, reference
     assert dparams["vocab"].sharding.is_fully_replicated and dparams["norm"].sharding.is_fully_replicated
 
 
+def test_lookup_first_on_a_mesh(converted, prompts, reference, unsharded, one_device_heads):
+    """Prompt lookup in front of a head (batch 1: a model-parallel mesh): the same tokens and the
+    same rounds on a mesh as on one device."""
+    m = jspec.load(converted, mesh="model=8")
+    options = dict(method="kangaroo", head=one_device_heads["kangaroo"], lookup=1, max_new_tokens=NEW, batch_size=1)
+    expected = unsharded.generate(prompts[:2], **options)
+    got = m.generate(prompts[:2], **options)
+    assert [r["token_ids"] for r in got] == [r["token_ids"] for r in expected] == reference[:2]
+    assert [r["stats"] for r in got] == [r["stats"] for r in expected]
+    assert sum(r["stats"]["lookup_rounds"] for r in got) > 0
+
+
 def test_head_saved_on_a_mesh_loads_on_one_device(converted, prompts, reference, unsharded, tmp_path):
     sharded = jspec.load(converted, mesh="data=2,model=4")
     path, hp = save_head(tmp_path, sharded, "kangaroo")

@@ -56,6 +56,11 @@ class Drafter:
     def verify(self, params, dparams, cfg, tokens, positions, cache, dstate):
         return model.forward(params, cfg, tokens, positions, cache)
 
+    def for_rows(self, rows: int) -> "Drafter":
+        """The drafter a program of `rows` rows runs: this one, unless a wrapper steps aside
+        above batch 1 (jspec.drafters.lookup)."""
+        return self
+
     def room(self, dstate, max_draft: int):
         """dstate with space for max_draft drafts, for a wrapper that may propose more tokens than
         this drafter's own K (jspec.drafters.lookup). Nothing to do by default."""

@@ -9,8 +9,11 @@ the shallow layers and the head's cache for an early exit, the draft model's cac
 state has no holes and an early exit's verification still reuses the shallow layers' work.
 Lossless like both parts: verification and acceptance are the target's.
 
-A batch round drafts by lookup when every live row found a match, otherwise every row runs the
-wrapped drafter (a round has one verification). The controller sees every round's counts.
+Batch 1 only: above it the wrapped drafter runs alone (`for_rows`). A batch round could copy only when
+every row found a repeat (a round has one verification), which is rare, and choosing between the
+two in the loop costs a copy of the KV cache per round (XLA copies a conditional's operands that
+a branch updates), which grows with the rows: at batch 8 `eesd` fell from 0.79x to 0.62x `ar`
+(docs/benchmarks.md, "Prompt lookup first"). The controller sees every round's counts.
 """
 
 from __future__ import annotations
@@ -38,16 +41,7 @@ class Lookup(Drafter):
 
     def draft(self, params, dparams, cfg, s, controller, sampling, key):
         k, live = self.max_draft, ~s.done
-        tokens, found = lookup(s.seq, s.length, k, self.min_ngram, self.max_ngram)
-        use = jnp.all((found > 0) | ~live)
         inner_s = dataclasses.replace(s, dstate=s.dstate["inner"])
-
-        def by_lookup():
-            fed = jnp.concatenate([s.last[:, None], tokens], axis=1)
-            positions = s.length[:, None] + jnp.arange(k + 1)[None, :]
-            cache, dstate = self.inner.feed(params, dparams, cfg, s.cache, inner_s.dstate, fed, positions)
-            probs = None if sampling.greedy else jax.nn.one_hot(tokens, cfg.vocab_size, dtype=jnp.float32)
-            return tokens, probs, jnp.where(live, found, 0), cache, dstate, s.cstate
 
         def by_inner():
             d = self.inner.draft(params, dparams, cfg, inner_s, controller, sampling, key)
@@ -55,9 +49,22 @@ class Lookup(Drafter):
             probs = None if d.probs is None else jnp.pad(d.probs, ((0, 0), (0, pad), (0, 0)))
             return jnp.pad(d.tokens, ((0, 0), (0, pad))), probs, d.n, d.cache, d.dstate, d.cstate
 
+        copied, found = lookup(s.seq, s.length, k, self.min_ngram, self.max_ngram)
+
+        def by_lookup():
+            fed = jnp.concatenate([s.last[:, None], copied], axis=1)
+            positions = s.length[:, None] + jnp.arange(k + 1)[None, :]
+            cache, dstate = self.inner.feed(params, dparams, cfg, s.cache, inner_s.dstate, fed, positions)
+            probs = None if sampling.greedy else jax.nn.one_hot(copied, cfg.vocab_size, dtype=jnp.float32)
+            return copied, probs, jnp.where(live, found, 0), cache, dstate, s.cstate
+
+        use = jnp.all((found > 0) | ~live)
         tokens, probs, n, cache, dstate, cstate = jax.lax.cond(use, by_lookup, by_inner)
         dstate = {"inner": dstate, "lookup_rounds": s.dstate["lookup_rounds"] + (use & live)}
         return Draft(tokens, probs, n, cache, dstate, cstate)
+
+    def for_rows(self, rows):
+        return self if rows == 1 else self.inner
 
     def verify(self, params, dparams, cfg, tokens, positions, cache, dstate):
         return self.inner.verify(params, dparams, cfg, tokens, positions, cache, dstate["inner"])

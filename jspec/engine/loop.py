@@ -59,13 +59,16 @@ def _emit(s: LoopState, tokens: jax.Array, count: jax.Array, eos_ids, max_new_to
     return dataclasses.replace(s, seq=seq, last=last, length=s.length + count, n=n, done=done)
 
 
-def verify_widths(max_draft: int) -> tuple[int, ...]:
-    """The widths a verification can take: 1 + each power of two below K, and K + 1. A round
-    verifies the narrowest that holds its longest live draft, so a round whose drafting stopped
-    early does not pay for K + 1 positions (each width is one more compiled forward; two
-    positions cost about one, so a round that proposed nothing still verifies two)."""
-    return tuple(sorted({1 + min(2 ** i, max_draft) for i in range(max(max_draft, 1).bit_length())}
-                        | {1 + max_draft})) if max_draft else (1,)
+def verify_widths(max_draft: int, batch: int) -> tuple[int, ...]:
+    """The widths a verification can take. At batch 1: 1 + each power of two below K, and K + 1;
+    a round verifies the narrowest that holds its longest live draft, so a round whose drafting
+    stopped early does not pay for K + 1 positions (each width is one more compiled forward; two
+    positions cost about one, so a round that proposed nothing still verifies two). Above batch
+    1 only K + 1: XLA copies the KV cache into the branch it takes (docs/design.md), a cost that
+    grows with the rows while the weights' traffic a narrower forward saves does not."""
+    if not max_draft or batch > 1:
+        return (1 + max_draft,)
+    return tuple(sorted({1 + min(2 ** i, max_draft) for i in range(max_draft.bit_length())} | {1 + max_draft}))
 
 
 def width_index(widths: tuple[int, ...], longest: jax.Array) -> jax.Array:
@@ -109,7 +112,7 @@ def generate(params, dparams, cache: model.KVCache, tokens, packing: model.Packi
                 return jnp.pad(logits, ((0, 0), (0, k + 1 - width), (0, 0))), cache
             return run
 
-        widths = verify_widths(k)
+        widths = verify_widths(k, b)
         if len(widths) == 1:
             target_logits, cache = verify(widths[0])(d.cache)
         else:

@@ -55,12 +55,16 @@ SPECEE_CHOICES = specee.CHOICES
 EXIT_THRESHOLD = 0.9
 
 
-# K fixes the widest verification (a round verifies its longest live draft, rounded up to
-# 1 + a power of two: jspec.engine.loop.verify_widths). On a CPU, before the native kernel, a
-# forward over 2 or 3 positions cost 1.5 decode steps and over 5 about 2.1 (benchmarks/forward_cost.py), so with the trained heads' agreement (about 0.45)
-# K = 1 was the fastest there, a little ahead of K = 2 (docs/heads.md). With the native kernels
+# K fixes the widest verification (at batch 1 a round verifies its longest live draft, rounded
+# up to 1 + a power of two: jspec.engine.loop.verify_widths). On a CPU, before the native kernel,
+# a forward over 2 or 3 positions cost 1.5 decode steps and over 5 about 2.1
+# (benchmarks/forward_cost.py), so with the trained heads' agreement (about 0.45) K = 1 was the
+# fastest there, a little ahead of K = 2 (docs/heads.md). With the native kernels
 # (2 positions at 1.06-1.28 steps) K = 1 is still the fastest, now by 0.13-0.17x `ar` over K = 2
-# (docs/heads.md, "Draft length"). Accelerators verify a few positions for about one step's price.
+# (docs/heads.md, "Draft length"), and with verification as wide as the draft K = 4 under the
+# heads' controllers still measured 1.07-1.10x against K = 1's 1.20x (docs/benchmarks.md, "A
+# verification as wide as the round's drafts"). Accelerators verify a few positions for about one
+# step's price.
 def default_max_draft(method: str) -> int:
     if method in HEAD_METHODS:
         return 1 if jax.default_backend() == "cpu" else 4

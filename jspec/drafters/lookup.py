@@ -9,11 +9,11 @@ the shallow layers and the head's cache for an early exit, the draft model's cac
 state has no holes and an early exit's verification still reuses the shallow layers' work.
 Lossless like both parts: verification and acceptance are the target's.
 
-Batch 1 only: above it the wrapped drafter runs alone (`for_rows`). A batch round could copy only when
-every row found a repeat (a round has one verification), which is rare, and choosing between the
-two in the loop costs a copy of the KV cache per round (XLA copies a conditional's operands that
-a branch updates), which grows with the rows: at batch 8 `eesd` fell from 0.79x to 0.62x `ar`
-(docs/benchmarks.md, "Prompt lookup first"). The controller sees every round's counts.
+Batch 1 only: above it the wrapped drafter runs alone (`for_rows`). A batch round could copy
+only when every row found a repeat (a round has one verification), which is rare, and choosing
+between the two in the loop costs a copy of the KV cache per round (XLA copies a conditional's
+operands that a branch updates), which grows with the rows: at batch 8 `eesd` fell from 0.79x to
+0.62x `ar` (docs/benchmarks.md, "Prompt lookup first"). The controller sees every round's counts.
 """
 
 from __future__ import annotations

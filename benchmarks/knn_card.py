@@ -5,16 +5,16 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 from jspec import knn
+from jspec.skip_search import LOG_SUFFIX, read_log
 
 
 def trials(sets: str, name: str) -> list[dict]:
-    log = Path(sets) / f"{name}.trials.jsonl"
-    return [json.loads(x) for x in log.read_text().splitlines()[1:] if x.strip()] if log.exists() else []
+    log = Path(sets) / (name + LOG_SUFFIX)
+    return read_log(log)[1] if log.exists() else []
 
 
 def main(folder: str, sets: str) -> None:

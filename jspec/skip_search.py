@@ -191,16 +191,22 @@ class OptunaProposer:
         self.study.tell(self.trial, value)
 
 
+def read_log(log: Path) -> tuple[dict | None, list[dict]]:
+    """A trial log: its first line ({"search": header}; None when empty) and its trials."""
+    lines = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
+    return (lines[0] if lines else None), lines[1:]
+
+
 def search(objective, proposer, variables: list[str], trials: int, log: Path, header: dict, report=None):
     """Run trials until the log holds `trials`; returns [(params, value, extra)] of all of them.
     The log's first line is `header`: a log from another search is refused, not mixed in."""
     done = []
     if log.exists():
-        lines = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
-        if not lines or lines[0] != {"search": header}:
+        first, rows = read_log(log)
+        if first != {"search": header}:
             raise JspecError(f"{log} is the log of another search (other prompts, model or settings); "
                              f"remove it or choose another --out")
-        done = [(t["params"], t["objective"], t) for t in lines[1:]]
+        done = [(t["params"], t["objective"], t) for t in rows]
     else:
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text(json.dumps({"search": header}) + "\n")

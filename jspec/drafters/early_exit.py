@@ -46,13 +46,19 @@ class EarlyExit(Drafter):
         logits, head_state = self.head.logits(params, dparams, cfg, h, positions, dstate["head"])
         return logits[:, 0], {**dstate, "head": head_state}
 
-    def draft(self, params, dparams, cfg, s, controller, sampling, key):
-        def shallow(cache, x, positions):
-            return model.run_layers(params, cfg, model.embed(params, x[:, None]), positions, cache, self._shallow(cfg))
+    def _enter(self, params, dparams, cfg, cache, dstate, tokens, positions):
+        """Tokens [B, T] through the shallow layers and into the head's cache, drafting nothing:
+        (their layer-N states, cache, dstate)."""
+        h, cache = model.run_layers(params, cfg, model.embed(params, tokens), positions, cache, self._shallow(cfg))
+        if self.head is not None:
+            dstate = {**dstate, "head": self.head.advance(dparams, cfg, h, positions, dstate["head"])}
+        return h, cache, dstate
 
+    def draft(self, params, dparams, cfg, s, controller, sampling, key):
         def step(carry, j, x, positions):
             cache, dstate = carry
-            h, cache = shallow(cache, x, positions)
+            h, cache = model.run_layers(params, cfg, model.embed(params, x[:, None]), positions, cache,
+                                        self._shallow(cfg))
             dstate = {**dstate, "hidden": dstate["hidden"].at[:, j].set(h[:, 0])}
             logits, dstate = self._draft_logits(params, dparams, cfg, h, positions, dstate)
             return logits, (cache, dstate)
@@ -62,12 +68,8 @@ class EarlyExit(Drafter):
         # The last proposed token of each row, at slot n, still needs its layer-N state.
         rows = jnp.arange(tokens.shape[0])
         final = tokens[rows, jnp.maximum(n - 1, 0)]
-        positions = (s.length + n)[:, None]
-        h, cache = shallow(cache, final, positions)
-        hidden = dstate["hidden"].at[rows, n].set(h[:, 0])
-        dstate = {**dstate, "hidden": hidden}
-        if self.head is not None:
-            dstate = {**dstate, "head": self.head.advance(dparams, cfg, h, positions, dstate["head"])}
+        h, cache, dstate = self._enter(params, dparams, cfg, cache, dstate, final[:, None], (s.length + n)[:, None])
+        dstate = {**dstate, "hidden": dstate["hidden"].at[rows, n].set(h[:, 0])}
         return Draft(tokens, probs, n, cache, dstate, cstate)
 
     def room(self, dstate, max_draft):
@@ -75,11 +77,8 @@ class EarlyExit(Drafter):
         return {**dstate, "hidden": jnp.pad(hidden, ((0, 0), (0, max_draft + 1 - hidden.shape[1]), (0, 0)))}
 
     def feed(self, params, dparams, cfg, cache, dstate, tokens, positions):
-        h, cache = model.run_layers(params, cfg, model.embed(params, tokens), positions, cache, self._shallow(cfg))
-        dstate = {**dstate, "hidden": h}
-        if self.head is not None:
-            dstate = {**dstate, "head": self.head.advance(dparams, cfg, h, positions, dstate["head"])}
-        return cache, dstate
+        h, cache, dstate = self._enter(params, dparams, cfg, cache, dstate, tokens, positions)
+        return cache, {**dstate, "hidden": h}
 
     def verify(self, params, dparams, cfg, tokens, positions, cache, dstate):
         hidden = dstate["hidden"][:, :tokens.shape[1]]  # a narrower verification: the first positions

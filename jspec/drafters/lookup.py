@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.drafters.base import Draft, Drafter
-from jspec.drafters.ngram import lookup
+from jspec.drafters.ngram import MAX_NGRAM, lookup
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +32,7 @@ class Lookup(Drafter):
     inner: Drafter
     max_draft: int = 4  # tokens a lookup proposes; the wrapped drafter keeps its own K (<= this)
     min_ngram: int = 2
-    max_ngram: int = 3
+    max_ngram: int = MAX_NGRAM
 
     def prefill(self, params, dparams, cfg, tokens, packing, cache):
         h, cache, dstate = self.inner.prefill(params, dparams, cfg, tokens, packing, cache)

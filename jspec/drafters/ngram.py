@@ -12,6 +12,8 @@ import jax.numpy as jnp
 
 from jspec.drafters.base import Draft, Drafter
 
+MAX_NGRAM = 3  # the longest repeat looked up, by n-gram drafting and by lookup in front of a drafter
+
 
 def lookup(seq: jax.Array, end: jax.Array, max_draft: int, min_ngram: int, max_ngram: int):
     """seq [B, S] (the newest token of row b at end[b]) -> (tokens [B, max_draft], found [B]): what
@@ -35,7 +37,7 @@ def lookup(seq: jax.Array, end: jax.Array, max_draft: int, min_ngram: int, max_n
 @dataclasses.dataclass(frozen=True)
 class NGram(Drafter):
     max_draft: int = 8
-    max_ngram: int = 3
+    max_ngram: int = MAX_NGRAM
 
     def draft(self, params, dparams, cfg, s, controller, sampling, key):
         b = s.seq.shape[0]

@@ -112,12 +112,9 @@ def generate(params, dparams, cache: model.KVCache, tokens, packing: model.Packi
                 return jnp.pad(logits, ((0, 0), (0, k + 1 - width), (0, 0))), cache
             return run
 
-        widths = verify_widths(k, b)
-        if len(widths) == 1:
-            target_logits, cache = verify(widths[0])(d.cache)
-        else:
-            pick = width_index(widths, jnp.max(jnp.where(live, d.n, 0)))
-            target_logits, cache = jax.lax.switch(pick, [verify(w) for w in widths], d.cache)
+        widths = verify_widths(k, b)  # one width: lax.switch calls that branch directly
+        pick = width_index(widths, jnp.max(jnp.where(live, d.n, 0)))
+        target_logits, cache = jax.lax.switch(pick, [verify(w) for w in widths], d.cache)
         if drafter.accept is not None:
             n_acc, nxt = drafter.accept(d, target_logits, sampling, k_accept)
         elif sampling.greedy:

@@ -199,11 +199,9 @@ def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     return jnp.concatenate(out, axis=1)
 
 
-def attention_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array,
-                    positions: jax.Array | Packing | None, cos: jax.Array, sin: jax.Array, k_cache: jax.Array,
-                    v_cache: jax.Array, valid: jax.Array | None = None):
-    """The attention half of a decoder block, residual included: h [B, T, D] -> h, k_cache, v_cache.
-    A Packing is a prefill of h [R, T, D] packed rows; None a prefill of one prompt per row."""
+def qkv(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array, cos: jax.Array, sin: jax.Array):
+    """The attention block's input side: h [B, T, D] -> rotated queries [B, T, K, G, H], rotated
+    keys and values [B, T, K, H]."""
     g = cfg.group_size
     x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
     qkv = linear(x, lp["wqkv"])
@@ -212,7 +210,23 @@ def attention_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array,
     qkv = qkv.reshape(*qkv.shape[:2], cfg.num_kv_heads, g + 2, cfg.head_dim)
     q = _rotate(qkv[:, :, :, :g], cos[:, :, None, None], sin[:, :, None, None])
     k = _rotate(qkv[:, :, :, g], cos[:, :, None], sin[:, :, None])
-    v = qkv[:, :, :, g + 1]
+    return q, k, qkv[:, :, :, g + 1]
+
+
+def attend(lp: Mapping[str, jax.Array], h: jax.Array, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+           positions: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+    """The attention block's output side, residual included: queries q at positions [B, T] over a
+    cache that already holds their own keys and values -> h [B, T, D]."""
+    out = attention(q, k_cache, v_cache, positions, valid)
+    return h + linear(out.reshape(*out.shape[:2], -1), lp["wo"])
+
+
+def attention_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array,
+                    positions: jax.Array | Packing | None, cos: jax.Array, sin: jax.Array, k_cache: jax.Array,
+                    v_cache: jax.Array, valid: jax.Array | None = None):
+    """The attention half of a decoder block, residual included: h [B, T, D] -> h, k_cache, v_cache.
+    A Packing is a prefill of h [R, T, D] packed rows; None a prefill of one prompt per row."""
+    q, k, v = qkv(cfg, lp, h, cos, sin)
     if positions is None or isinstance(positions, Packing):
         # Projections run packed; attention runs per prompt, from each row's position 0.
         rows = (lambda x: x) if positions is None else positions.unpack
@@ -221,11 +235,10 @@ def attention_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array,
         out = out if positions is None else positions.pack(out)
         k_cache = _write(k_cache, k, jnp.zeros(k_cache.shape[:1], jnp.int32))
         v_cache = _write(v_cache, v, jnp.zeros(v_cache.shape[:1], jnp.int32))
-    else:
-        k_cache = _write(k_cache, k, positions[:, 0])
-        v_cache = _write(v_cache, v, positions[:, 0])
-        out = attention(q, k_cache, v_cache, positions, valid)
-    return h + linear(out.reshape(*out.shape[:2], -1), lp["wo"]), k_cache, v_cache
+        return h + linear(out.reshape(*out.shape[:2], -1), lp["wo"]), k_cache, v_cache
+    k_cache = _write(k_cache, k, positions[:, 0])
+    v_cache = _write(v_cache, v, positions[:, 0])
+    return attend(lp, h, q, k_cache, v_cache, positions, valid), k_cache, v_cache
 
 
 def mlp_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array) -> jax.Array:
@@ -237,10 +250,44 @@ def mlp_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array) -> ja
 
 def decoder_layer(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array, positions: jax.Array | Packing | None,
                   cos: jax.Array, sin: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                  valid: jax.Array | None = None):
-    """One pre-norm decoder block. h [B, T, D]; k_cache, v_cache [B, S, K, H] of this layer."""
-    h, k_cache, v_cache = attention_block(cfg, lp, h, positions, cos, sin, k_cache, v_cache, valid)
-    return mlp_block(cfg, lp, h), k_cache, v_cache
+                  valid: jax.Array | None = None, width: "Width | None" = None):
+    """One pre-norm decoder block. h [B, T, D]; k_cache, v_cache [B, S, K, H] of this layer. With
+    a `width`, only its leading positions are computed (their outputs padded back to T)."""
+    if width is None:
+        h, k_cache, v_cache = attention_block(cfg, lp, h, positions, cos, sin, k_cache, v_cache, valid)
+        return mlp_block(cfg, lp, h), k_cache, v_cache
+    q, k, v = width.run(functools.partial(qkv, cfg, lp), h, cos, sin)
+    # The cache is written here, between the two branches, never inside one: a conditional
+    # whose branch updates the cache makes XLA copy every layer's cache (docs/design.md).
+    k_cache, v_cache = _write(k_cache, k, positions[:, 0]), _write(v_cache, v, positions[:, 0])
+    h = width.run(lambda h, q, pos: mlp_block(cfg, lp, attend(lp, h, q, k_cache, v_cache, pos, valid)),
+                  h, q, positions)
+    return h, k_cache, v_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class Width:
+    """Which leading positions of a block of W = sizes[-1] a forward computes: sizes[index] (sizes
+    static and ascending, index traced). Each size is one branch of a lax.switch; a verification
+    whose drafts stopped early runs the narrowest that holds them (jspec.engine.loop). The
+    positions past the size come back as zeros, and the cache entries written there as zeros too,
+    which nothing reads: a later round writes from its own first position on."""
+
+    sizes: tuple[int, ...]
+    index: jax.Array
+
+    def run(self, fn, *xs):
+        """fn over xs [B, W, ...] at the chosen size -> its outputs padded back to [B, W, ...]."""
+        if len(self.sizes) == 1:
+            return fn(*xs)
+
+        def at(size):
+            def branch(*xs):
+                pad = lambda y: jnp.pad(y, [(0, 0), (0, self.sizes[-1] - size)] + [(0, 0)] * (y.ndim - 2))  # noqa: E731
+                return jax.tree.map(pad, fn(*(x[:, :size] for x in xs)))
+            return branch
+
+        return jax.lax.switch(self.index, [at(size) for size in self.sizes], *xs)
 
 
 def embed(params: Params, tokens: jax.Array) -> jax.Array:
@@ -253,48 +300,51 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
 
 
 def run_layers(params: Params, cfg: ModelConfig, h: jax.Array, positions: jax.Array | Packing | None, cache: KVCache,
-               layers: Sequence[int] | None = None):
+               layers: Sequence[int] | None = None, width: Width | None = None):
     """Run the given layers (default: all, in order) on hidden states h [B, T, D] at positions
     [B, T], or a prefill (a Packing, or None: one prompt per row). Layers not listed neither change
     h nor write the cache: a contiguous range is an early exit, a range with holes is layer
-    skipping. Returns the new h and cache."""
+    skipping. A `width` computes only leading positions (decoder_layer). Returns the new h and cache."""
     cos, sin = rope_at(cfg, h, positions)
     k, v = list(cache.k), list(cache.v)
     for i in range(cfg.num_layers) if layers is None else layers:
-        h, k[i], v[i] = decoder_layer(cfg, params["layers"][i], h, positions, cos, sin, k[i], v[i])
+        h, k[i], v[i] = decoder_layer(cfg, params["layers"][i], h, positions, cos, sin, k[i], v[i], width=width)
     return h, KVCache(k, v)
 
 
-def run_masked_layers(params: Params, cfg: ModelConfig, h: jax.Array, positions: jax.Array | None, cache: KVCache,
+def run_masked_layers(params: Params, cfg: ModelConfig, h: jax.Array, positions: jax.Array, cache: KVCache,
                       skip: jax.Array):
     """run_layers over every layer with sublayers skipped per row, as data: skip [B, 2, L] bool,
     [:, 0] the attention and [:, 1] the MLP of each layer. A skipped sublayer is the identity on
-    the residual stream. With one row it is not computed (lax.cond), and a skipped attention
-    writes no cache; with more it is computed when any row needs it and the rows that skip it
-    keep their input (their cache entries at these positions are written, and never read by
-    them: only a verification reads them, after overwriting them). Being data, a new skip set
-    compiles nothing."""
+    the residual stream. It is computed only when some row needs it (lax.cond); the rows that
+    skip it keep their input. Its cache entries at these positions are written either way (zeros
+    when no row computed them), and never read by a row that skips them: only a verification
+    reads them, after overwriting them. Being data, a new skip set compiles nothing."""
     cos, sin = rope_at(cfg, h, positions)
     k, v = list(cache.k), list(cache.v)
     for i, lp in enumerate(params["layers"]):
-        def attn(h, kc, vc, lp=lp):
-            return attention_block(cfg, lp, h, positions, cos, sin, kc, vc)
-
-        h, k[i], v[i] = _sublayer(skip[:, 0, i], attn, h, k[i], v[i])
-        (h,) = _sublayer(skip[:, 1, i], lambda h, lp=lp: (mlp_block(cfg, lp, h),), h)
+        project = functools.partial(qkv, cfg, lp, cos=cos, sin=sin)
+        q, new_k, new_v = jax.lax.cond(jnp.all(skip[:, 0, i]), functools.partial(zeros_of, project), project, h)
+        # Written between the conditionals, as in decoder_layer, so that XLA copies no cache.
+        k[i], v[i] = _write(k[i], new_k, positions[:, 0]), _write(v[i], new_v, positions[:, 0])
+        h = _sublayer(skip[:, 0, i], lambda h, q, lp=lp, kc=k[i], vc=v[i]: attend(lp, h, q, kc, vc, positions), h, q)
+        h = _sublayer(skip[:, 1, i], lambda h, lp=lp: mlp_block(cfg, lp, h), h)
     return h, KVCache(k, v)
 
 
-def _sublayer(skip_rows: jax.Array, fn, h: jax.Array, *rest):
-    """fn(h, *rest) -> (h, *rest), skipped when every row's skip_rows [B] is set, and each
-    skipping row's h kept as it was."""
+def zeros_of(fn, *xs):
+    """Zeros shaped as fn(*xs)'s outputs, computing nothing: a skipped branch's result."""
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(fn, *xs))
+
+
+def _sublayer(skip_rows: jax.Array, fn, h: jax.Array, *rest) -> jax.Array:
+    """fn(h, *rest) -> h, skipped when every row's skip_rows [B] is set, and each skipping row's h
+    kept as it was."""
     def run(h, *rest):
         out = fn(h, *rest)
-        if h.shape[0] == 1:
-            return out
-        return (jnp.where(skip_rows[:, None, None], h, out[0]), *out[1:])
+        return out if h.shape[0] == 1 else jnp.where(skip_rows[:, None, None], h, out)
 
-    return jax.lax.cond(jnp.all(skip_rows), lambda h, *rest: (h, *rest), run, h, *rest)
+    return jax.lax.cond(jnp.all(skip_rows), lambda h, *rest: h, run, h, *rest)
 
 
 def linear(x: jax.Array, w: jax.Array, dtype=None) -> jax.Array:
@@ -332,10 +382,10 @@ def logits(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array | Packing | None,
-            cache: KVCache):
+            cache: KVCache, width: Width | None = None):
     """The whole model: tokens [B, T] at positions [B, T] (or a prefill, as in run_layers) ->
     hidden [B, T, D] (pre-norm), cache."""
-    return run_layers(params, cfg, embed(params, tokens), positions, cache)
+    return run_layers(params, cfg, embed(params, tokens), positions, cache, width=width)
 
 
 def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], dtype=np.float32) -> Params:

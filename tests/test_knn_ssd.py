@@ -18,6 +18,7 @@ import pytest
 from jspec import heads, knn, methods
 from jspec import model as jmodel
 from jspec.api import Model
+from jspec.bench.hlo import cache_copies
 from jspec.drafters.knn_ssd import nearest_anchor, prompt_feature
 from jspec.errors import JspecError
 from jspec.sampling import Sampling
@@ -115,6 +116,15 @@ def test_greedy_equals_ar(setup, batch_size, count_compiles):
     assert sum(r["stats"]["accepted"] for r in records) >= 4
     if batch_size == 1:  # four prompts of one bucket, three skip sets: one program
         assert len(count_compiles) <= 1
+
+
+def test_no_cache_copy_in_the_loop(setup):
+    """A skippable sublayer is computed under lax.cond, and the cache written outside it: inside,
+    XLA would copy the cache every draft step (docs/design.md)."""
+    fresh = Model(setup.target.cfg, setup.target.params)
+    fresh.generate(setup.prompts[:1], method="knn-ssd", knn=setup.folder, max_new_tokens=NEW)
+    ((rows, _, in_loop),) = cache_copies(fresh)
+    assert rows == 1 and in_loop == 0
 
 
 def test_nearest_anchor_matches_numpy(setup):

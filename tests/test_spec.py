@@ -31,6 +31,7 @@ from conftest import save_source, tiny_hf_model
 from jspec import heads, methods
 from jspec import model as jmodel
 from jspec.api import Model
+from jspec.bench.hlo import cache_copies
 from jspec.controllers import Fixed
 from jspec.convert import store
 from jspec.drafters.base import Draft, Drafter
@@ -303,6 +304,17 @@ def test_lookup_first_equals_ar(spec, drafter):
             assert not any("lookup_rounds" in r["stats"] for r in records)
 
 
+@pytest.mark.parametrize("options", [dict(method="eesd", max_draft=K), dict(method="eesd", max_draft=2, lookup=2)],
+                         ids=["widths", "lookup"])
+def test_no_cache_copy_in_the_loop(spec, options):
+    """A round's conditionals (its verification's width, prompt lookup's choice) never update
+    the cache inside a branch, where XLA would copy it every round (docs/design.md)."""
+    m = Model(spec.target.cfg, spec.target.params)
+    m.generate(spec.prompts[:1], max_new_tokens=NEW, controller="fixed", head=spec.heads["eesd"], **options)
+    ((rows, _, in_loop),) = cache_copies(m)
+    assert rows == 1 and in_loop == 0
+
+
 # -- an oracle drafter: whole drafts accepted, EOS inside them, drafts crossing max_new_tokens ----
 
 @dataclasses.dataclass(frozen=True)
@@ -330,12 +342,12 @@ VERIFIED_WIDTHS = []
 
 @dataclasses.dataclass(frozen=True)
 class WidthRecorder(Oracle):
-    """An Oracle that notes how many positions each verification runs over (a callback runs only
-    in the branch the round takes)."""
+    """An Oracle that notes how many positions each verification's LM head runs over (the layers
+    run at the same model.Width; a callback runs only in the branch the round takes)."""
 
-    def verify(self, params, dparams, cfg, tokens, positions, cache, dstate):
-        jax.debug.callback(lambda: VERIFIED_WIDTHS.append(tokens.shape[1]))
-        return super().verify(params, dparams, cfg, tokens, positions, cache, dstate)
+    def target_logits(self, params, dparams, cfg, h, dstate, sampling):
+        jax.debug.callback(lambda: VERIFIED_WIDTHS.append(h.shape[1]))
+        return super().target_logits(params, dparams, cfg, h, dstate, sampling)
 
 
 def run_oracle(spec: Spec, drafter: Oracle, batch_size: int = len(LENGTHS)):

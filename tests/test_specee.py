@@ -12,6 +12,8 @@ import pytest
 
 from jspec import heads, predictors
 from jspec import model as jmodel
+from jspec.api import Model
+from jspec.bench.hlo import cache_copies
 from jspec.errors import JspecError
 
 EXIT = 1
@@ -76,6 +78,17 @@ def test_forced_exit_is_first_checked_depths_choice(setup):
     for prompt, r in zip(PROMPTS, out):
         assert r["token_ids"] == reference(model, hp, None, 0.5, "fill", prompt["token_ids"], len(r["token_ids"]))
         assert r["stats"]["mean_layers"] == EXIT
+
+
+@pytest.mark.parametrize("kv", ["fill", "mask"])
+def test_no_cache_copy_in_the_loop(setup, kv):
+    """A layer that runs only while some row is going is two conditionals with the cache write
+    between them, never inside one, where XLA would copy the cache every token (docs/design.md)."""
+    model, head, pred, _ = setup
+    fresh = Model(model.cfg, model.params)
+    fresh.generate(PROMPTS[:1], method="specee", head=head, predictors=pred, exit_kv=kv, max_new_tokens=NEW)
+    ((rows, _, in_loop),) = cache_copies(fresh)
+    assert rows == 1 and in_loop == 0
 
 
 @pytest.mark.parametrize("kv", ["fill", "mask"])

@@ -53,8 +53,10 @@ class Drafter:
         h, cache = target_prefill(params, cfg, tokens, packing, cache)
         return h, cache, ()
 
-    def verify(self, params, dparams, cfg, tokens, positions, cache, dstate):
-        return model.forward(params, cfg, tokens, positions, cache)
+    def verify(self, params, dparams, cfg, tokens, positions, cache, dstate, width):
+        """The target's states [B, W, D] for the fed tokens [B, W] (the newest committed token, then
+        the drafts) and the cache, computed at `width` (a model.Width: its leading positions)."""
+        return model.forward(params, cfg, tokens, positions, cache, width)
 
     def for_rows(self, rows: int) -> "Drafter":
         """The drafter a program of `rows` rows runs: this one, unless a wrapper steps aside

@@ -180,8 +180,8 @@ class Beam(Drafter):
     def prefill(self, params, dparams, cfg, tokens, packing, cache):
         return self.inner.prefill(params, dparams, cfg, tokens, packing, cache)
 
-    def verify(self, params, dparams, cfg, tokens, positions, cache, dstate):
-        return self.inner.verify(params, dparams, cfg, tokens, positions, cache, dstate)
+    def verify(self, params, dparams, cfg, tokens, positions, cache, dstate, width):
+        return self.inner.verify(params, dparams, cfg, tokens, positions, cache, dstate, width)
 
     def accept(self, d: Draft, target_logits, sampling, key):
         return acceptance.joint(d.tokens, d.logq, d.n, target_logits, sampling, math.log(self.threshold), key)

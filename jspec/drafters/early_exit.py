@@ -80,6 +80,6 @@ class EarlyExit(Drafter):
         h, cache, dstate = self._enter(params, dparams, cfg, cache, dstate, tokens, positions)
         return cache, {**dstate, "hidden": h}
 
-    def verify(self, params, dparams, cfg, tokens, positions, cache, dstate):
-        hidden = dstate["hidden"][:, :tokens.shape[1]]  # a narrower verification: the first positions
-        return model.run_layers(params, cfg, hidden, positions, cache, self._deep(cfg))
+    def verify(self, params, dparams, cfg, tokens, positions, cache, dstate, width):
+        hidden = dstate["hidden"][:, :tokens.shape[1]]  # a wrapper's room may hold more slots
+        return model.run_layers(params, cfg, hidden, positions, cache, self._deep(cfg), width)

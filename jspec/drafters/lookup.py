@@ -41,33 +41,38 @@ class Lookup(Drafter):
 
     def draft(self, params, dparams, cfg, s, controller, sampling, key):
         k, live = self.max_draft, ~s.done
-        inner_s = dataclasses.replace(s, dstate=s.dstate["inner"])
+        copied, found = lookup(s.seq, s.length, k, self.min_ngram, self.max_ngram)
 
-        def by_inner():
+        # Each proposer reads the cache and states from the carry it is given, never from s:
+        # whichever runs then updates them in place.
+        def by_inner(carry):
+            _, _, _, cache, dstate, cstate = carry
+            inner_s = dataclasses.replace(s, cache=cache, dstate=dstate, cstate=cstate)
             d = self.inner.draft(params, dparams, cfg, inner_s, controller, sampling, key)
             pad = k - d.tokens.shape[1]
             probs = None if d.probs is None else jnp.pad(d.probs, ((0, 0), (0, pad), (0, 0)))
             return jnp.pad(d.tokens, ((0, 0), (0, pad))), probs, d.n, d.cache, d.dstate, d.cstate
 
-        copied, found = lookup(s.seq, s.length, k, self.min_ngram, self.max_ngram)
-
-        def by_lookup():
+        def by_lookup(carry):
+            _, probs, _, cache, dstate, cstate = carry
             fed = jnp.concatenate([s.last[:, None], copied], axis=1)
             positions = s.length[:, None] + jnp.arange(k + 1)[None, :]
-            cache, dstate = self.inner.feed(params, dparams, cfg, s.cache, inner_s.dstate, fed, positions)
+            cache, dstate = self.inner.feed(params, dparams, cfg, cache, dstate, fed, positions)
             probs = None if sampling.greedy else jax.nn.one_hot(copied, cfg.vocab_size, dtype=jnp.float32)
-            return copied, probs, jnp.where(live, found, 0), cache, dstate, s.cstate
+            return copied, probs, jnp.where(live, found, 0), cache, dstate, cstate
 
         use = jnp.all((found > 0) | ~live)
-        tokens, probs, n, cache, dstate, cstate = jax.lax.cond(use, by_lookup, by_inner)
+        probs = None if sampling.greedy else jnp.zeros((*copied.shape, cfg.vocab_size), jnp.float32)
+        carry = (copied, probs, found, s.cache, s.dstate["inner"], s.cstate)
+        tokens, probs, n, cache, dstate, cstate = _only_if(~use, by_inner, _only_if(use, by_lookup, carry))
         dstate = {"inner": dstate, "lookup_rounds": s.dstate["lookup_rounds"] + (use & live)}
         return Draft(tokens, probs, n, cache, dstate, cstate)
 
     def for_rows(self, rows):
         return self if rows == 1 else self.inner
 
-    def verify(self, params, dparams, cfg, tokens, positions, cache, dstate):
-        return self.inner.verify(params, dparams, cfg, tokens, positions, cache, dstate["inner"])
+    def verify(self, params, dparams, cfg, tokens, positions, cache, dstate, width):
+        return self.inner.verify(params, dparams, cfg, tokens, positions, cache, dstate["inner"], width)
 
     def target_logits(self, params, dparams, cfg, h, dstate, sampling):
         return self.inner.target_logits(params, dparams, cfg, h, dstate["inner"], sampling)
@@ -77,3 +82,10 @@ class Lookup(Drafter):
 
     def record_stats(self, stats):
         return {**self.inner.record_stats(stats), "lookup_rounds": stats["lookup_rounds"]}
+
+
+def _only_if(pred, fn, carry):
+    """fn(carry) if pred else carry, as a while loop of at most one trip rather than lax.cond:
+    XLA copies every buffer a conditional's branch updates (the KV cache here), while a loop
+    updates its carry in place (docs/design.md, "No cache inside a conditional")."""
+    return jax.lax.while_loop(lambda c: c[0], lambda c: (jnp.zeros_like(c[0]), fn(c[1])), (pred, carry))[1]

@@ -94,14 +94,18 @@ class SpecEE(Drafter):
             token = jnp.where(leave, choice, token)
             depth = jnp.where(leave, d, depth)
             going = going & ~leave
+            lp, anyone = params["layers"][d], jnp.any(going)
+            project = functools.partial(model.qkv, cfg, lp, cos=cos, sin=sin)
             if self.kv == "mask":
                 valid.append(s.dstate["valid"][d - n].at[jnp.arange(b), s.length].set(going))
-                layer = functools.partial(_layer, cfg, params["layers"][d], valid=valid[-1])
-                skip = lambda going, h, positions, cos, sin, k, v: (h, k, v)  # noqa: E731
+                skipped = functools.partial(model.zeros_of, project)
             else:
-                layer = functools.partial(_layer, cfg, params["layers"][d])
-                skip = functools.partial(_kv_only, cfg, params["layers"][d], dparams["kv"][d - n])
-            h, k[d], v[d] = jax.lax.cond(jnp.any(going), layer, skip, going, h, positions, cos, sin, k[d], v[d])
+                skipped = functools.partial(_kv_only, cfg, lp, dparams["kv"][d - n], cos, sin)
+            q, new_k, new_v = jax.lax.cond(anyone, project, skipped, h)
+            # Written between the conditionals, never inside one, so that XLA copies no cache.
+            k[d], v[d] = model._write(k[d], new_k, s.length), model._write(v[d], new_v, s.length)
+            rest = functools.partial(_rest, cfg, lp, positions, k[d], v[d], valid[-1] if valid else None)
+            h = jax.lax.cond(anyone, rest, lambda going, h, q: h, going, h, q)
         recent = jnp.where(live[:, None], jnp.concatenate([recent[:, 1:], depth[:, None]], axis=1), recent)
         exits = s.dstate["exits"] + live[:, None] * jax.nn.one_hot(depth, depth_count + 1, dtype=jnp.int32)
         # Finished rows count as exited: their token is dropped anyway, and they must not make
@@ -111,7 +115,7 @@ class SpecEE(Drafter):
         return Draft(jnp.zeros((b, 0), jnp.int32), None, jnp.zeros((b,), jnp.int32), model.KVCache(k, v),
                      dstate, s.cstate)
 
-    def verify(self, params, dparams, cfg, tokens, positions, cache, dstate):
+    def verify(self, params, dparams, cfg, tokens, positions, cache, dstate, width):
         return dstate["hidden"][:, None], cache
 
     def target_logits(self, params, dparams, cfg, h, dstate, sampling):
@@ -147,23 +151,22 @@ def candidates(cfg, hp, h, positions, head_kv):
     return hp["vocab"][idx], jnp.take(hp["lm_head"], idx, axis=0).astype(jnp.float32), head_kv
 
 
-def _layer(cfg, lp, going, h, positions, cos, sin, k, v, valid=None):
-    """The whole layer for every row; rows no longer going keep their state (their K/V, computed
-    from it, are the fill; under "mask" they are written but marked missing)."""
-    out, k, v = model.decoder_layer(cfg, lp, h, positions, cos, sin, k, v, valid)
-    return jnp.where(going[:, None, None], out, h), k, v
+def _rest(cfg, lp, positions, k, v, valid, going, h, q):
+    """The layer after its projection, for every row; rows no longer going keep their state (their
+    K/V, computed from it, are the fill; under "mask" they are written but marked missing)."""
+    out = model.mlp_block(cfg, lp, model.attend(lp, h, q, k, v, positions, valid))
+    return jnp.where(going[:, None, None], out, h)
 
 
-def _kv_only(cfg, lp, kv, going, h, positions, cos, sin, k, v):
-    """Only the layer's K/V of h (the fill), when no row needs the layer's output."""
+def _kv_only(cfg, lp, kv, cos, sin, h):
+    """Only the layer's K/V of h (the fill), when no row needs the layer's output; no queries."""
     x = model.rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
     new = model.linear(x, kv["wqkv"])
     if "bqkv" in kv:
         new = new + kv["bqkv"]
     new = new.reshape(*new.shape[:2], cfg.num_kv_heads, 2, cfg.head_dim)
-    new_k = model._rotate(new[:, :, :, 0], cos[:, :, None], sin[:, :, None])
-    start = positions[:, 0]
-    return h, model._write(k, new_k, start), model._write(v, new[:, :, :, 1], start)
+    q = jnp.zeros((*h.shape[:2], cfg.num_kv_heads, cfg.group_size, cfg.head_dim), jnp.float32)
+    return q, model._rotate(new[:, :, :, 0], cos[:, :, None], sin[:, :, None]), new[:, :, :, 1]
 
 
 def kv_weights(params, cfg, first: int) -> list[dict]:

@@ -105,16 +105,10 @@ def generate(params, dparams, cache: model.KVCache, tokens, packing: model.Packi
         positions = s.length[:, None] + jnp.arange(k + 1)[None, :]
         fed = jnp.concatenate([s.last[:, None], d.tokens], axis=1)
 
-        def verify(width):
-            def run(cache):
-                h, cache = drafter.verify(params, dparams, cfg, fed[:, :width], positions[:, :width], cache, d.dstate)
-                logits = drafter.target_logits(params, dparams, cfg, h, d.dstate, sampling)
-                return jnp.pad(logits, ((0, 0), (0, k + 1 - width), (0, 0))), cache
-            return run
-
-        widths = verify_widths(k, b)  # one width: lax.switch calls that branch directly
-        pick = width_index(widths, jnp.max(jnp.where(live, d.n, 0)))
-        target_logits, cache = jax.lax.switch(pick, [verify(w) for w in widths], d.cache)
+        widths = verify_widths(k, b)
+        width = model.Width(widths, width_index(widths, jnp.max(jnp.where(live, d.n, 0))))
+        h, cache = drafter.verify(params, dparams, cfg, fed, positions, d.cache, d.dstate, width)
+        target_logits = width.run(lambda h: drafter.target_logits(params, dparams, cfg, h, d.dstate, sampling), h)
         if drafter.accept is not None:
             n_acc, nxt = drafter.accept(d, target_logits, sampling, k_accept)
         elif sampling.greedy:

@@ -217,9 +217,7 @@ class Model:
 
     def _run_batch(self, batch: Sequence[Request], rows: int, max_new: int, sampling: Sampling, key,
                    plan) -> list[dict]:
-        drafter, dparams, controller = plan
-        drafter = drafter.for_rows(rows)
-        plan = (drafter, dparams, controller)
+        drafter, dparams, _ = plan
         tokens, packing = self.pack(batch, rows)
         s = -(-(packing.bucket + max_new + drafter.max_draft + 1) // CACHE_ALIGN) * CACHE_ALIGN
         eos = np.asarray(self.cfg.eos_token_ids or (-1,), np.int32)

@@ -109,8 +109,8 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
                    help="knn-ssd: run this domain's skip set on every prompt instead of choosing by anchor")
     d.add_argument("--lookup", type=int, default=None, metavar="N",
                    help="draft, early-exit, eesd, kangaroo, knn-ssd, layer-skip: copy what followed an earlier "
-                        "repeat of the last N tokens (1-3) instead of drafting, when there is one; batch 1 only "
-                        "(default: off)")
+                        "repeat of the last N tokens (1-3) instead of drafting, when there is one (above batch 1: "
+                        "when every row has one; default: off)")
     d.add_argument("--lookup-draft", type=int, default=None, metavar="K",
                    help="with --lookup: most tokens copied per round (default: 4, at least --max-draft)")
     m = p.add_argument_group("mjsd (lossy: the output differs from ar's)")

@@ -55,7 +55,7 @@ SPECEE_CHOICES = specee.CHOICES
 EXIT_THRESHOLD = 0.9
 
 
-# K fixes the widest verification (at batch 1 a round verifies its longest live draft, rounded
+# K fixes the widest verification (a round verifies its longest live draft, rounded
 # up to 1 + a power of two: jspec.engine.loop.verify_widths). On a CPU, before the native kernel,
 # a forward over 2 or 3 positions cost 1.5 decode steps and over 5 about 2.1
 # (benchmarks/forward_cost.py), so with the trained heads' agreement (about 0.45) K = 1 was the

@@ -58,11 +58,6 @@ class Drafter:
         the drafts) and the cache, computed at `width` (a model.Width: its leading positions)."""
         return model.forward(params, cfg, tokens, positions, cache, width)
 
-    def for_rows(self, rows: int) -> "Drafter":
-        """The drafter a program of `rows` rows runs: this one, unless a wrapper steps aside
-        above batch 1 (jspec.drafters.lookup)."""
-        return self
-
     def room(self, dstate, max_draft: int):
         """dstate with space for max_draft drafts, for a wrapper that may propose more tokens than
         this drafter's own K (jspec.drafters.lookup). Nothing to do by default."""

@@ -9,11 +9,10 @@ the shallow layers and the head's cache for an early exit, the draft model's cac
 state has no holes and an early exit's verification still reuses the shallow layers' work.
 Lossless like both parts: verification and acceptance are the target's.
 
-Batch 1 only: above it the wrapped drafter runs alone (`for_rows`). A batch round could copy
-only when every row found a repeat (a round has one verification), which is rare, and choosing
-between the two in the loop costs a copy of the KV cache per round (XLA copies a conditional's
-operands that a branch updates), which grows with the rows: at batch 8 `eesd` fell from 0.79x to
-0.62x `ar` (docs/benchmarks.md, "Prompt lookup first"). The controller sees every round's counts.
+At batch > 1 a round copies only when every live row found a repeat (a round has one
+verification), and otherwise every row runs the drafter. The choice is a one-trip while loop,
+not lax.cond, so whichever runs updates the cache in place (docs/design.md, "No cache inside a
+conditional"). The controller sees every round's counts.
 """
 
 from __future__ import annotations
@@ -67,9 +66,6 @@ class Lookup(Drafter):
         tokens, probs, n, cache, dstate, cstate = _only_if(~use, by_inner, _only_if(use, by_lookup, carry))
         dstate = {"inner": dstate, "lookup_rounds": s.dstate["lookup_rounds"] + (use & live)}
         return Draft(tokens, probs, n, cache, dstate, cstate)
-
-    def for_rows(self, rows):
-        return self if rows == 1 else self.inner
 
     def verify(self, params, dparams, cfg, tokens, positions, cache, dstate, width):
         return self.inner.verify(params, dparams, cfg, tokens, positions, cache, dstate["inner"], width)

@@ -14,9 +14,11 @@ For the token fed at position p:
    all rows and the exited rows keep their state (masked); once none is, only the layer's K/V
    projection runs. Either way an exited row's K/V at the deeper layers are those of its exit
    state, so every cache entry below a row's position is written ("fill"). The reference's way,
-   "mask", writes nothing for skipped layers and keeps a [L - N, B, S] map of which deep-layer
-   entries exist, which later tokens' attention respects; a layer no row needs is then skipped
-   outright. docs/methods.md measures the two.
+   "mask", computes nothing for skipped layers (zeros are written) and keeps a [L - N, B, S] map
+   of which deep-layer entries exist, which later tokens' attention respects; a layer no row
+   needs is then skipped outright. docs/methods.md measures the two. The cache is written
+   between a layer's two conditionals (projection, then the rest), never inside one, where XLA
+   would copy it every token.
 
 The exit threshold travels in `dparams` (a traced scalar), so a threshold sweep compiles once.
 The exited row's token is its depth's choice (greedy), or a sample from the exit state's

@@ -59,15 +59,13 @@ def _emit(s: LoopState, tokens: jax.Array, count: jax.Array, eos_ids, max_new_to
     return dataclasses.replace(s, seq=seq, last=last, length=s.length + count, n=n, done=done)
 
 
-def verify_widths(max_draft: int, batch: int) -> tuple[int, ...]:
-    """The widths a verification can take. At batch 1: 1 + each power of two below K, and K + 1;
-    a round verifies the narrowest that holds its longest live draft, so a round whose drafting
-    stopped early does not pay for K + 1 positions (each width is one more compiled forward; two
-    positions cost about one, so a round that proposed nothing still verifies two). Above batch
-    1 only K + 1: XLA copies the KV cache into the branch it takes (docs/design.md), a cost that
-    grows with the rows while the weights' traffic a narrower forward saves does not."""
-    if not max_draft or batch > 1:
-        return (1 + max_draft,)
+def verify_widths(max_draft: int) -> tuple[int, ...]:
+    """The widths a verification can take: 1 + each power of two below K, and K + 1. A round
+    verifies the narrowest that holds its longest live draft, so a round whose drafting stopped
+    early does not pay for K + 1 positions (each width is one more compiled branch per layer; two
+    positions cost about one, so a round that proposed nothing still verifies two)."""
+    if not max_draft:
+        return (1,)
     return tuple(sorted({1 + min(2 ** i, max_draft) for i in range(max_draft.bit_length())} | {1 + max_draft}))
 
 
@@ -105,7 +103,7 @@ def generate(params, dparams, cache: model.KVCache, tokens, packing: model.Packi
         positions = s.length[:, None] + jnp.arange(k + 1)[None, :]
         fed = jnp.concatenate([s.last[:, None], d.tokens], axis=1)
 
-        widths = verify_widths(k, b)
+        widths = verify_widths(k)
         width = model.Width(widths, width_index(widths, jnp.max(jnp.where(live, d.n, 0))))
         h, cache = drafter.verify(params, dparams, cfg, fed, positions, d.cache, d.dstate, width)
         target_logits = width.run(lambda h: drafter.target_logits(params, dparams, cfg, h, d.dstate, sampling), h)

@@ -53,7 +53,7 @@ class Lookup(Drafter):
             return jnp.pad(d.tokens, ((0, 0), (0, pad))), probs, d.n, d.cache, d.dstate, d.cstate
 
         def by_lookup(carry):
-            _, probs, _, cache, dstate, cstate = carry
+            _, _, _, cache, dstate, cstate = carry
             fed = jnp.concatenate([s.last[:, None], copied], axis=1)
             positions = s.length[:, None] + jnp.arange(k + 1)[None, :]
             cache, dstate = self.inner.feed(params, dparams, cfg, cache, dstate, fed, positions)

@@ -298,6 +298,7 @@ def test_lookup_first_equals_ar(spec, drafter):
                                        controller="fixed", lookup=2, lookup_draft=K, **opts)
         check_lossless(spec, records)
         lookups = [r["stats"]["lookup_rounds"] for r in records]
+        assert all(n <= r["stats"]["rounds"] - 1 for n, r in zip(lookups, records))
         if batch_size == 1:
             assert sum(lookups) > 0 and any(n < r["stats"]["rounds"] - 1 for n, r in zip(lookups, records))
 

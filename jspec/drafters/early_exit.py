@@ -81,5 +81,4 @@ class EarlyExit(Drafter):
         return cache, {**dstate, "hidden": h}
 
     def verify(self, params, dparams, cfg, tokens, positions, cache, dstate, width):
-        hidden = dstate["hidden"][:, :tokens.shape[1]]  # a wrapper's room may hold more slots
-        return model.run_layers(params, cfg, hidden, positions, cache, self._deep(cfg), width)
+        return model.run_layers(params, cfg, dstate["hidden"], positions, cache, self._deep(cfg), width)

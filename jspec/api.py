@@ -262,6 +262,11 @@ class Model:
                 cache = jax.jit(zeros, out_shardings=sharding.cache_sharding(self.mesh, shape))()
         return cache
 
+    def programs(self) -> dict:
+        """The decoding programs compiled so far (jax.stages.Compiled), by their signature:
+        (rows, prompt bucket, cache length, max new tokens, sampling, drafter, controller, ...)."""
+        return dict(self._compiled)
+
     def _compile(self, rows, p, s, max_new, sampling, plan, cache, args, key):
         drafter, dparams, controller = plan
         shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(dparams))

@@ -137,16 +137,19 @@ def rope_at(cfg: ModelConfig, h: jax.Array, positions: jax.Array | Packing | Non
     return rope(cfg, positions)
 
 
-def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotary embedding of x [..., H] at the angles of cos, sin."""
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return (x * cos + rotated * sin).astype(x.dtype)
 
 
-def _write(cache_layer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-    """cache_layer [B, S, K, H] <- new [B, T, K, H] at per-row offsets start [B]."""
-    put = lambda c, x, s: jax.lax.dynamic_update_slice(c, x, (s, 0, 0))
-    return jax.vmap(put)(cache_layer, new.astype(cache_layer.dtype), start)
+def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array):
+    """One layer's cache k_cache, v_cache [B, S, K, H] <- k, v [B, T, K, H] at per-row offsets
+    start [B]. Never call it inside a conditional's branch: XLA would copy the cache
+    (docs/design.md, "No cache inside a conditional")."""
+    put = jax.vmap(lambda c, x, s: jax.lax.dynamic_update_slice(c, x.astype(c.dtype), (s, 0, 0)))
+    return put(k_cache, k, start), put(v_cache, v, start)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid: jax.Array | None = None) -> jax.Array:
@@ -201,15 +204,16 @@ def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
 
 def qkv(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array, cos: jax.Array, sin: jax.Array):
     """The attention block's input side: h [B, T, D] -> rotated queries [B, T, K, G, H], rotated
-    keys and values [B, T, K, H]."""
-    g = cfg.group_size
+    keys and values [B, T, K, H]. G is what lp's projection holds: a projection of only the K and V
+    rows (SpecEE's fill) gives G = 0 queries."""
+    g = lp["wqkv"].shape[0] // (cfg.num_kv_heads * cfg.head_dim) - 2
     x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
     qkv = linear(x, lp["wqkv"])
     if "bqkv" in lp:
         qkv = qkv + lp["bqkv"]
     qkv = qkv.reshape(*qkv.shape[:2], cfg.num_kv_heads, g + 2, cfg.head_dim)
-    q = _rotate(qkv[:, :, :, :g], cos[:, :, None, None], sin[:, :, None, None])
-    k = _rotate(qkv[:, :, :, g], cos[:, :, None], sin[:, :, None])
+    q = rotate(qkv[:, :, :, :g], cos[:, :, None, None], sin[:, :, None, None])
+    k = rotate(qkv[:, :, :, g], cos[:, :, None], sin[:, :, None])
     return q, k, qkv[:, :, :, g + 1]
 
 
@@ -233,11 +237,9 @@ def attention_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array,
         k, v = rows(k), rows(v)
         out = prefill_attention(rows(q), k, v)
         out = out if positions is None else positions.pack(out)
-        k_cache = _write(k_cache, k, jnp.zeros(k_cache.shape[:1], jnp.int32))
-        v_cache = _write(v_cache, v, jnp.zeros(v_cache.shape[:1], jnp.int32))
+        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, jnp.zeros(k_cache.shape[:1], jnp.int32))
         return h + linear(out.reshape(*out.shape[:2], -1), lp["wo"]), k_cache, v_cache
-    k_cache = _write(k_cache, k, positions[:, 0])
-    v_cache = _write(v_cache, v, positions[:, 0])
+    k_cache, v_cache = write_kv(k_cache, v_cache, k, v, positions[:, 0])
     return attend(lp, h, q, k_cache, v_cache, positions, valid), k_cache, v_cache
 
 
@@ -259,7 +261,7 @@ def decoder_layer(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array, p
     q, k, v = width.run(functools.partial(qkv, cfg, lp), h, cos, sin)
     # The cache is written here, between the two branches, never inside one: a conditional
     # whose branch updates the cache makes XLA copy every layer's cache (docs/design.md).
-    k_cache, v_cache = _write(k_cache, k, positions[:, 0]), _write(v_cache, v, positions[:, 0])
+    k_cache, v_cache = write_kv(k_cache, v_cache, k, v, positions[:, 0])
     h = width.run(lambda h, q, pos: mlp_block(cfg, lp, attend(lp, h, q, k_cache, v_cache, pos, valid)),
                   h, q, positions)
     return h, k_cache, v_cache
@@ -326,7 +328,7 @@ def run_masked_layers(params: Params, cfg: ModelConfig, h: jax.Array, positions:
         project = functools.partial(qkv, cfg, lp, cos=cos, sin=sin)
         q, new_k, new_v = jax.lax.cond(jnp.all(skip[:, 0, i]), functools.partial(zeros_of, project), project, h)
         # Written between the conditionals, as in decoder_layer, so that XLA copies no cache.
-        k[i], v[i] = _write(k[i], new_k, positions[:, 0]), _write(v[i], new_v, positions[:, 0])
+        k[i], v[i] = write_kv(k[i], v[i], new_k, new_v, positions[:, 0])
         h = _sublayer(skip[:, 0, i], lambda h, q, lp=lp, kc=k[i], vc=v[i]: attend(lp, h, q, kc, vc, positions), h, q)
         h = _sublayer(skip[:, 1, i], lambda h, lp=lp: mlp_block(cfg, lp, h), h)
     return h, KVCache(k, v)

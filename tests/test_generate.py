@@ -186,17 +186,17 @@ def test_compiled_once_per_bucket(tiny_llama, count_compiles):
     m = Model(dataclasses.replace(tiny_llama.cfg, eos_token_ids=()), tiny_llama.params)  # nothing compiled yet
     a, b, c = token_prompts([5, MIN_PROMPT_BUCKET - 2, MIN_PROMPT_BUCKET + 9], seed=8)
     m.generate([a], max_new_tokens=new)
-    assert len(m._compiled) == 1 and count_compiles  # the counter sees compilations
-    compiled = dict(m._compiled)
+    assert len(m.programs()) == 1 and count_compiles  # the counter sees compilations
+    compiled = m.programs()
     count_compiles.clear()
     [rb] = m.generate([b], max_new_tokens=new)  # another length, the same bucket
-    assert m._compiled == compiled and count_compiles == []  # neither jspec nor jax compiled anything
+    assert m.programs() == compiled and count_compiles == []  # neither jspec nor jax compiled anything
     count_compiles.clear()
     m.generate([c], max_new_tokens=new)  # the next bucket: one new program
-    assert len(m._compiled) == 2 and count_compiles
+    assert len(m.programs()) == 2 and count_compiles
     count_compiles.clear()
     m.generate([a, b, c], max_new_tokens=new)  # three batches, known shapes: still nothing new
-    assert len(m._compiled) == 2 and count_compiles == []
+    assert len(m.programs()) == 2 and count_compiles == []
     # Reusing earlier calls' (donated, now stale) caches changed nothing.
     fresh = Model(m.cfg, m.params)
     assert fresh.generate([b], max_new_tokens=new)[0]["token_ids"] == rb["token_ids"]

@@ -123,7 +123,7 @@ def test_no_cache_copy_in_the_loop(setup):
     XLA would copy the cache every draft step (docs/design.md)."""
     fresh = Model(setup.target.cfg, setup.target.params)
     fresh.generate(setup.prompts[:1], method="knn-ssd", knn=setup.folder, max_new_tokens=NEW)
-    ((rows, _, in_loop),) = cache_copies(fresh)
+    ((rows, _, in_loop),) = cache_copies(fresh.cfg, fresh.programs())
     assert rows == 1 and in_loop == 0
 
 

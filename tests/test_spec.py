@@ -310,7 +310,7 @@ def test_no_cache_copy_in_the_loop(spec, options):
     the cache inside a branch, where XLA would copy it every round (docs/design.md)."""
     m = Model(spec.target.cfg, spec.target.params)
     m.generate(spec.prompts[:1], max_new_tokens=NEW, controller="fixed", head=spec.heads["eesd"], **options)
-    ((rows, _, in_loop),) = cache_copies(m)
+    ((rows, _, in_loop),) = cache_copies(m.cfg, m.programs())
     assert rows == 1 and in_loop == 0
 
 
@@ -427,12 +427,12 @@ def test_compiled_once_per_bucket(spec, count_compiles):
     a, b = spec.prompts[0], {"token_ids": spec.prompts[3]["token_ids"][:9]}  # 3 and 9 tokens: bucket 32
     opts = dict(method="early-exit", exit_layer=2, max_draft=K, max_new_tokens=new)
     [ra] = m.generate([a], **opts)
-    assert len(m._compiled) == 1 and count_compiles
-    compiled = dict(m._compiled)
+    assert len(m.programs()) == 1 and count_compiles
+    compiled = m.programs()
     count_compiles.clear()
     [rb] = m.generate([b], **opts)  # another length, the same bucket
     rs = m.generate([a, b, a], **opts)  # three batches
-    assert m._compiled == compiled and count_compiles == []
+    assert m.programs() == compiled and count_compiles == []
     assert ids(rs) == [ra["token_ids"], rb["token_ids"], ra["token_ids"]]
     assert ra["token_ids"] == spec.ar[0][:new]
 

@@ -87,7 +87,7 @@ def test_no_cache_copy_in_the_loop(setup, kv):
     model, head, pred, _ = setup
     fresh = Model(model.cfg, model.params)
     fresh.generate(PROMPTS[:1], method="specee", head=head, predictors=pred, exit_kv=kv, max_new_tokens=NEW)
-    ((rows, _, in_loop),) = cache_copies(fresh)
+    ((rows, _, in_loop),) = cache_copies(fresh.cfg, fresh.programs())
     assert rows == 1 and in_loop == 0
 
 

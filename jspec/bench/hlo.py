@@ -10,11 +10,12 @@ from __future__ import annotations
 import re
 
 
-def cache_copies(model) -> list[tuple[int, int, int]]:
-    """For each program `model` has compiled: (rows, copies of one layer's cache [rows, S, K, H]
-    in the entry computation, copies elsewhere: the loop and its branches)."""
-    cfg, out = model.cfg, []
-    for sig, compiled in model._compiled.items():
+def cache_copies(cfg, programs: dict) -> list[tuple[int, int, int]]:
+    """For each of a model's compiled programs (jspec.Model.programs()): (rows, copies of one
+    layer's cache [rows, S, K, H] in the entry computation, copies elsewhere: the loop and its
+    branches)."""
+    out = []
+    for sig, compiled in programs.items():
         rows, length = sig[0], sig[2]
         copy = re.compile(r"= f32\[%d,%d,%d,%d\]\S* copy\(" % (rows, length, cfg.num_kv_heads, cfg.head_dim))
         entry = inner = 0

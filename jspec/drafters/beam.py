@@ -66,16 +66,9 @@ def beam_layer(cfg: ModelConfig, lp, h, cos, sin, pk, pv, length, bk, bv, j):
     """One decoder layer (attention, then the MLP if lp has one) on the beams' h [B, W, D] at slot j.
     Returns h and the beams' entries with slot j written."""
     b, w, _ = h.shape
-    g = cfg.group_size
-    x = model.rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
-    qkv = model.linear(x, lp["wqkv"])
-    if "bqkv" in lp:
-        qkv = qkv + lp["bqkv"]
-    qkv = qkv.reshape(b, w, cfg.num_kv_heads, g + 2, cfg.head_dim)
-    q = model._rotate(qkv[:, :, :, :g], cos[:, :, None, None], sin[:, :, None, None])
-    k = model._rotate(qkv[:, :, :, g], cos[:, :, None], sin[:, :, None])
+    q, k, v = model.qkv(cfg, lp, h, cos, sin)
     bk = bk.at[:, :, j].set(k.astype(bk.dtype))
-    bv = bv.at[:, :, j].set(qkv[:, :, :, g + 1].astype(bv.dtype))
+    bv = bv.at[:, :, j].set(v.astype(bv.dtype))
     out = _attend(q, pk, pv, length, bk, bv, j)
     h = h + model.linear(out.reshape(b, w, -1), lp["wo"])
     if "w_down" in lp:
@@ -158,12 +151,6 @@ def beam_search(stack: Stack, last, length, width: int, k: int, sampling: Sampli
             [(_by_beam(bk, best), _by_beam(bv, best)) for bk, bv in entries])
 
 
-def _write(layer, new, start):
-    """layer [B, S, KV, H] <- new [B, K, KV, H] at per-row positions start [B]."""
-    put = lambda c, x, s: jax.lax.dynamic_update_slice(c, x, (s, 0, 0))
-    return jax.vmap(put)(layer, new.astype(layer.dtype), start)
-
-
 @dataclasses.dataclass(frozen=True)
 class Beam(Drafter):
     """`inner` (an EarlyExit or a DraftModel) drafting W = `width` beams; acceptance by joint
@@ -210,7 +197,7 @@ class Beam(Drafter):
         n = jnp.full(s.length.shape, k, jnp.int32)
         final = tokens[:, -1]
         final_pos = (s.length + k)[:, None]
-        written = [(_write(pk, bk, s.length), _write(pv, bv, s.length))
+        written = [model.write_kv(pk, pv, bk, bv, s.length)
                    for (_, pk, pv), (bk, bv) in zip(stack.trunk + stack.head, entries)]
         inner = self.inner
         if isinstance(inner, DraftModel):

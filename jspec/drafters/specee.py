@@ -105,7 +105,7 @@ class SpecEE(Drafter):
                 skipped = functools.partial(_kv_only, cfg, lp, dparams["kv"][d - n], cos, sin)
             q, new_k, new_v = jax.lax.cond(anyone, project, skipped, h)
             # Written between the conditionals, never inside one, so that XLA copies no cache.
-            k[d], v[d] = model._write(k[d], new_k, s.length), model._write(v[d], new_v, s.length)
+            k[d], v[d] = model.write_kv(k[d], v[d], new_k, new_v, s.length)
             rest = functools.partial(_rest, cfg, lp, positions, k[d], v[d], valid[-1] if valid else None)
             h = jax.lax.cond(anyone, rest, lambda going, h, q: h, going, h, q)
         recent = jnp.where(live[:, None], jnp.concatenate([recent[:, 1:], depth[:, None]], axis=1), recent)
@@ -162,13 +162,9 @@ def _rest(cfg, lp, positions, k, v, valid, going, h, q):
 
 def _kv_only(cfg, lp, kv, cos, sin, h):
     """Only the layer's K/V of h (the fill), when no row needs the layer's output; no queries."""
-    x = model.rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
-    new = model.linear(x, kv["wqkv"])
-    if "bqkv" in kv:
-        new = new + kv["bqkv"]
-    new = new.reshape(*new.shape[:2], cfg.num_kv_heads, 2, cfg.head_dim)
+    _, k, v = model.qkv(cfg, {"attn_norm": lp["attn_norm"], **kv}, h, cos, sin)
     q = jnp.zeros((*h.shape[:2], cfg.num_kv_heads, cfg.group_size, cfg.head_dim), jnp.float32)
-    return q, model._rotate(new[:, :, :, 0], cos[:, :, None], sin[:, :, None]), new[:, :, :, 1]
+    return q, k, v
 
 
 def kv_weights(params, cfg, first: int) -> list[dict]:

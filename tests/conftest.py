@@ -146,6 +146,22 @@ class Tiny:
 
 
 @pytest.fixture
+def pure_jax_path(monkeypatch):
+    """The test runs jspec's pure-JAX path, what JSPEC_NATIVE=0 or a CPU without the kernels runs.
+    The choice is made at trace time, so jax's caches are cleared on the way in and out: no
+    program traced without the kernels outlives the test."""
+    import jax
+
+    from jspec import native
+
+    monkeypatch.setattr(native, "enabled", False)
+    jax.clear_caches()
+    yield
+    monkeypatch.undo()
+    jax.clear_caches()
+
+
+@pytest.fixture
 def make_tiny(tmp_path_factory):
     """make_tiny(kind, fmt='safetensors', dtype='float32', seed=0, **hf_overrides) -> Tiny:
     builds the HF model, saves it as `fmt`, converts it with store.convert, loads it with store.load."""

@@ -118,6 +118,15 @@ def test_greedy_equals_ar(setup, batch_size, count_compiles):
         assert len(count_compiles) <= 1
 
 
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_pure_jax_path_equals_ar(setup, pure_jax_path, batch_size):
+    """Without the native kernels too: they change no token (issue 13)."""
+    target = Model(setup.target.cfg, setup.target.params, name="jax-path")
+    records = target.generate(setup.prompts, method="knn-ssd", knn=setup.folder, max_new_tokens=NEW,
+                              batch_size=batch_size)
+    assert ids(records) == setup.ar
+
+
 def test_no_cache_copy_in_the_loop(setup):
     """A skippable sublayer is computed under lax.cond, and the cache written outside it: inside,
     XLA would copy the cache every draft step (docs/design.md)."""

@@ -276,6 +276,16 @@ def test_max_new_tokens_boundary(spec, max_new, drafter):
         assert all(r["stats"]["rounds"] == 1 and r["stats"]["drafted"] == 0 for r in records)
 
 
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_pure_jax_path_emits_ar_tokens(spec, pure_jax_path, batch_size):
+    """Every lossless drafter without the native kernels emits `ar`'s tokens (with them: the
+    tests above), so the kernels change no token of any method (issue 13)."""
+    target = Model(spec.target.cfg, spec.target.params, name="jax-path")
+    for drafter in DRAFTERS:
+        records = run(dataclasses.replace(spec, target=target), drafter, batch_size=batch_size)
+        assert ids(records) == spec.ar, drafter
+
+
 def test_unrelated_draft_model(spec, tmp_path_factory):
     """A draft model of another shape (hidden size, heads, layers) and weights: nearly every
     draft is rejected, and the output is still ar's."""

@@ -8,7 +8,8 @@ each set of the folder forced (`--domain`), interleaved prompt by prompt so that
 machine's load hits them all alike; a domain whose set equals an earlier domain's is not run
 again, its rows are copies (`copied_from`). All the knn-ssd variants are one compiled program (the sets
 are data), which is why this does not go through `jspec bench`: that warms every method up
-separately. Here a run that compiled a program is run again and the second run is timed. --shard i/n takes every n-th prompt from the i-th, so n processes split the work.
+separately. Here a run that compiled a program is run again and the second run is timed.
+--shard i/n takes every n-th prompt from the i-th, so n processes split the work.
 Rows are appended as they come; rerunning resumes. Tables: benchmarks/knn_report.py.
 """
 

@@ -145,17 +145,25 @@ class Tiny:
         return Model(cfg, self.params, tokenizer=None, name="tiny")
 
 
-@pytest.fixture
-def pure_jax_path(monkeypatch):
-    """The test runs jspec's pure-JAX path, what JSPEC_NATIVE=0 or a CPU without the kernels runs.
-    The choice is made at trace time, so jax's caches are cleared on the way in and out: no
-    program traced without the kernels outlives the test."""
+def use_native(monkeypatch, on: bool) -> None:
+    """Switch jspec's native kernels on or off for the rest of the test. The choice is made at
+    trace time, so jax's caches are cleared."""
     import jax
 
     from jspec import native
 
-    monkeypatch.setattr(native, "enabled", False)
+    monkeypatch.setattr(native, "enabled", on)
     jax.clear_caches()
+
+
+@pytest.fixture
+def pure_jax_path(monkeypatch):
+    """The test runs jspec's pure-JAX path, what JSPEC_NATIVE=0 or a CPU without the kernels runs;
+    jax's caches are cleared on the way out too, so no program traced without the kernels
+    outlives the test."""
+    import jax
+
+    use_native(monkeypatch, False)
     yield
     monkeypatch.undo()
     jax.clear_caches()

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import use_native
 from jspec import model as M
 from jspec import native
 from jspec.api import Model
@@ -27,11 +28,6 @@ from jspec.api import Model
 def kernel():
     if native.unavailable:
         pytest.skip(f"the native kernel is unavailable: {native.unavailable}")
-
-
-def use_native(monkeypatch, on: bool) -> None:
-    monkeypatch.setattr(native, "enabled", on)
-    jax.clear_caches()
 
 
 def random(shape, seed):

@@ -205,8 +205,8 @@ class Model:
     def _batches(self, requests, batch_size, max_new_tokens, sampling, seed, plan) -> Iterator[dict]:
         for batch in batches(requests, batch_size):
             key = jax.random.fold_in(jax.random.key(seed), batch[0].index)
-            yield from self._run_batch(batch, self.batch_rows(len(batch), batch_size), max_new_tokens, sampling,
-                                       key, plan)
+            yield from self.run_batch(batch, self.batch_rows(len(batch), batch_size), max_new_tokens, sampling,
+                                      key, plan)
 
     def batch_rows(self, n: int, batch_size: int) -> int:
         return batch_rows(n, batch_size, 1 if self.mesh is None else self.mesh.shape["data"])
@@ -215,8 +215,11 @@ class Model:
         dtype = jax.tree.leaves(self.params)[0].dtype
         return next(name for name, d in store.DTYPES.items() if d == dtype)
 
-    def _run_batch(self, batch: Sequence[Request], rows: int, max_new: int, sampling: Sampling, key,
-                   plan) -> list[dict]:
+    def run_batch(self, batch: Sequence[Request], rows: int, max_new: int, sampling: Sampling, key,
+                  plan) -> list[dict]:
+        """One batch, padded to `rows`, through a built plan (`jspec.methods.build`'s drafter, its
+        params and controller, or one made by hand, as the skip-set search does): its records, with
+        no checks (`stream` makes them)."""
         drafter, dparams, _ = plan
         tokens, packing = self.pack(batch, rows)
         s = -(-(packing.bucket + max_new + drafter.max_draft + 1) // CACHE_ALIGN) * CACHE_ALIGN

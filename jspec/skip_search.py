@@ -145,7 +145,7 @@ class Measure:
             table = knn.Knn(heads.fingerprint(cfg), [s], self.anchor, np.zeros(1, np.int32))
             plan = (self.drafter, table.dparams(cfg), self.controller)
         records = [rec for r in self.requests
-                   for rec in self.model._run_batch([r], 1, self.max_new, self.sampling, self.key, plan)]
+                   for rec in self.model.run_batch([r], 1, self.max_new, self.sampling, self.key, plan)]
         return [r["token_ids"] for r in records], records
 
     def __call__(self, s: knn.SkipSet) -> tuple[float, dict]:

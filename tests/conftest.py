@@ -145,28 +145,28 @@ class Tiny:
         return Model(cfg, self.params, tokenizer=None, name="tiny")
 
 
-def use_native(monkeypatch, on: bool) -> None:
-    """Switch jspec's native kernels on or off for the rest of the test. The choice is made at
-    trace time, so jax's caches are cleared."""
+@pytest.fixture
+def use_native(monkeypatch):
+    """use_native(on): switch jspec's native kernels on or off for the rest of the test. The choice
+    is made at trace time, so jax's caches are cleared at each switch and again on the way out: no
+    program traced under a switch outlives the test."""
     import jax
 
     from jspec import native
 
-    monkeypatch.setattr(native, "enabled", on)
+    def switch(on: bool) -> None:
+        monkeypatch.setattr(native, "enabled", on)
+        jax.clear_caches()
+
+    yield switch
     jax.clear_caches()
 
 
 @pytest.fixture
-def pure_jax_path(monkeypatch):
-    """The test runs jspec's pure-JAX path, what JSPEC_NATIVE=0 or a CPU without the kernels runs;
-    jax's caches are cleared on the way out too, so no program traced without the kernels
-    outlives the test."""
-    import jax
-
-    use_native(monkeypatch, False)
+def pure_jax_path(use_native):
+    """The test runs jspec's pure-JAX path, what JSPEC_NATIVE=0 or a CPU without the kernels runs."""
+    use_native(False)
     yield
-    monkeypatch.undo()
-    jax.clear_caches()
 
 
 @pytest.fixture

@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import use_native
 from jspec import model as M
 from jspec import native
 from jspec.api import Model
@@ -71,23 +70,23 @@ def calls_kernel(x, w) -> bool:
     return "jspec_matmul" in str(jax.make_jaxpr(M.linear)(x, w))
 
 
-def test_linear_takes_the_kernel_only_in_its_range(kernel, monkeypatch):
+def test_linear_takes_the_kernel_only_in_its_range(kernel, use_native):
     w = random((6, 16), 0)
     for rows, expected in [(1, False), (native.MIN_ROWS, True), (native.MAX_ROWS, True), (native.MAX_ROWS + 1, False)]:
         assert calls_kernel(random((1, rows, 16), 1), w) == expected, rows
     x = random((1, 4, 16), 1)
     for rows in (1, 4, 300):  # bfloat16 weights take it at every row count
         assert calls_kernel(random((1, rows, 16), 1), w.astype(jnp.bfloat16)), rows
-    use_native(monkeypatch, False)
+    use_native(False)
     assert not calls_kernel(x, w)
     assert not calls_kernel(x, w.astype(jnp.bfloat16))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_linear_fallback_equals_kernel(kernel, monkeypatch, dtype):
+def test_linear_fallback_equals_kernel(kernel, use_native, dtype):
     x, w = random((2, 3, 40), 6), random((33, 40), 7).astype(dtype)
     with_kernel = np.asarray(jax.jit(M.linear)(x, w))
-    use_native(monkeypatch, False)
+    use_native(False)
     np.testing.assert_allclose(np.asarray(jax.jit(M.linear)(x, w)), with_kernel, atol=1e-5)
 
 
@@ -143,13 +142,13 @@ def test_attention_gradient_is_the_jax_one(kernel):
         np.testing.assert_allclose(np.asarray(g), np.asarray(e), atol=1e-5)
 
 
-def test_attention_takes_the_kernel_up_to_max_queries(kernel, monkeypatch):
+def test_attention_takes_the_kernel_up_to_max_queries(kernel, use_native):
     def calls(t):
         q, k, v, q_pos, _ = attention_inputs(1, t, 1, 2, 8, 40, seed=3)
         return "jspec_attention" in str(jax.make_jaxpr(M.attention)(q, k, v, q_pos))
 
     assert calls(1) and calls(native.MAX_QUERIES) and not calls(native.MAX_QUERIES + 1)
-    use_native(monkeypatch, False)
+    use_native(False)
     assert not calls(1)
 
 
@@ -164,7 +163,7 @@ RUNS = [("ar", {}, 1), ("ar", {}, 4), ("ngram", {}, 1), ("layer-skip", dict(skip
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_generation_is_token_identical(kernel, tiny_llama, monkeypatch, dtype):
+def test_generation_is_token_identical(kernel, tiny_llama, use_native, dtype):
     rng = np.random.default_rng(0)
     motif = rng.integers(0, tiny_llama.cfg.vocab_size, 5)
     prompts = [{"token_ids": np.resize(motif, n).tolist()} for n in (7, 12, 20, 9)]
@@ -176,7 +175,7 @@ def test_generation_is_token_identical(kernel, tiny_llama, monkeypatch, dtype):
                 for method, opts, b in RUNS]
 
     with_kernel = run()
-    use_native(monkeypatch, False)
+    use_native(False)
     assert run() == with_kernel
 
 

@@ -369,8 +369,8 @@ def run_oracle(spec: Spec, drafter: Oracle, batch_size: int = len(LENGTHS)):
         row = r.token_ids + out
         table[i, :len(row)] = row
     return [record for i in range(0, len(requests), batch_size)
-            for record in m._run_batch(requests[i:i + batch_size], batch_size, NEW, Sampling(), jax.random.key(0),
-                                       (drafter, jnp.asarray(table[i:i + batch_size]), Fixed()))]
+            for record in m.run_batch(requests[i:i + batch_size], batch_size, NEW, Sampling(), jax.random.key(0),
+                                      (drafter, jnp.asarray(table[i:i + batch_size]), Fixed()))]
 
 
 @pytest.mark.parametrize("proposes", [1, 3, 8])

@@ -180,7 +180,7 @@ class Beam(Drafter):
             dc = dstate["cache"]
             trunk = [(dparams["layers"][i], dc.k[i], dc.v[i]) for i in range(inner.draft_cfg.num_layers)]
             return Stack(inner.draft_cfg, dparams, trunk, [], lambda h: model.logits(dparams, inner.draft_cfg, h))
-        trunk = [(params["layers"][i], cache.k[i], cache.v[i]) for i in inner._shallow(cfg)]
+        trunk = [(params["layers"][i], cache.k[i], cache.v[i]) for i in inner.shallow]
         if inner.head is None:
             return Stack(cfg, params, trunk, [], lambda h: model.logits(params, cfg, h))
         hk = dstate["head"]
@@ -204,7 +204,7 @@ class Beam(Drafter):
             dcache = model.KVCache([kv[0] for kv in written], [kv[1] for kv in written])
             _, dcache = model.forward(dparams, inner.draft_cfg, final[:, None], final_pos, dcache)
             return Draft(tokens, None, n, s.cache, {"cache": dcache}, s.cstate, logq)
-        shallow = list(inner._shallow(cfg))
+        shallow = list(inner.shallow)
         ck, cv = list(s.cache.k), list(s.cache.v)
         for i, (wk, wv) in zip(shallow, written):
             ck[i], cv[i] = wk, wv

@@ -26,14 +26,16 @@ class EarlyExit(Drafter):
     exit_layer: int = 8
     head: object = None
 
-    def _shallow(self, cfg):
+    @property
+    def shallow(self) -> range:
+        """The target's layers the draft runs (MJSD's beams run them too)."""
         return range(self.exit_layer)
 
     def _deep(self, cfg):
         return range(self.exit_layer, cfg.num_layers)
 
     def prefill(self, params, dparams, cfg, tokens, packing, cache):
-        h, cache = model.run_layers(params, cfg, model.embed(params, tokens), packing, cache, self._shallow(cfg))
+        h, cache = model.run_layers(params, cfg, model.embed(params, tokens), packing, cache, self.shallow)
         dstate = {"hidden": jnp.zeros((packing.lens.shape[0], self.max_draft + 1, cfg.hidden_size), h.dtype)}
         if self.head is not None:
             dstate["head"] = self.head.prefill(dparams, cfg, h, packing, cache.length)
@@ -49,7 +51,7 @@ class EarlyExit(Drafter):
     def _enter(self, params, dparams, cfg, cache, dstate, tokens, positions):
         """Tokens [B, T] through the shallow layers and into the head's cache, drafting nothing:
         (their layer-N states, cache, dstate)."""
-        h, cache = model.run_layers(params, cfg, model.embed(params, tokens), positions, cache, self._shallow(cfg))
+        h, cache = model.run_layers(params, cfg, model.embed(params, tokens), positions, cache, self.shallow)
         if self.head is not None:
             dstate = {**dstate, "head": self.head.advance(dparams, cfg, h, positions, dstate["head"])}
         return h, cache, dstate
@@ -58,7 +60,7 @@ class EarlyExit(Drafter):
         def step(carry, j, x, positions):
             cache, dstate = carry
             h, cache = model.run_layers(params, cfg, model.embed(params, x[:, None]), positions, cache,
-                                        self._shallow(cfg))
+                                        self.shallow)
             dstate = {**dstate, "hidden": dstate["hidden"].at[:, j].set(h[:, 0])}
             logits, dstate = self._draft_logits(params, dparams, cfg, h, positions, dstate)
             return logits, (cache, dstate)

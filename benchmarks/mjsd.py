@@ -3,7 +3,8 @@ accepted tokens, and the mean NLL of the outputs under the full model (jspec.qua
 
 Spec-Bench first turns (the first `--limit` of each category), batch 1, greedy, default model.
 Every method runs once untimed on the first prompt (compiling), then prompt by prompt every method
-runs in turn, so load on the machine falls on all of them alike. tokens/s is total new tokens /
+runs in turn, so load on the machine falls on all of them alike; a run that compiled a program (a
+new prompt bucket) is run again and the second run is timed. tokens/s is total new tokens /
 total wall time; mean accepted tokens is total new tokens / total rounds (target forwards).
 
     python benchmarks/mjsd.py --limit 1 --max-new-tokens 128 \\
@@ -44,7 +45,12 @@ def main() -> None:
 
     def run(label, req):
         name, options = plans[label]
+        programs = len(model.programs())
         [record] = model.stream([req], name, max_new_tokens=args.max_new_tokens, **options)
+        if len(model.programs()) > programs:
+            # A program's first run (a new prompt bucket) pays for its first execution, a second
+            # or more on a long prompt: the timed run is the second, as in jspec bench.
+            [record] = model.stream([req], name, max_new_tokens=args.max_new_tokens, **options)
         return record
 
     for label in plans:  # compile

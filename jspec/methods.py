@@ -196,6 +196,10 @@ def _mjsd(model, k, exit_layer, draft_model, head, beam_width, accept_threshold)
         raise JspecError(f"--beam-width must be between 1 and {most}, got {width}")
     if not (0 < tau < float("inf")):
         raise JspecError(f"--accept-threshold must be a positive number, got {tau}")
+    layers = model.cfg.num_layers
+    if exit_layer is not None and not 1 <= exit_layer <= layers:
+        raise JspecError(f"--exit-layer must be between 1 and {layers} for --method mjsd "
+                         f"({layers}: the target drafts for itself), got {exit_layer}")
     if draft_model is not None:
         inner, dparams, ctrl = build("draft", model, max_draft=k, controller="fixed", draft_model=draft_model)
     elif head is not None or (exit_layer is None and shipped(model, "eesd") is not None):

@@ -223,6 +223,9 @@ def test_options_checked(small):
         methods.build("eesd", model, beam_width=2)
     with pytest.raises(JspecError, match="no --controller"):
         methods.build("mjsd", model, controller="confidence")
+    layers = model.cfg.num_layers
+    with pytest.raises(JspecError, match=f"between 1 and {layers} for --method mjsd"):
+        methods.build("mjsd", model, exit_layer=layers + 1)
     assert "mjsd" in methods.LOSSY and "mjsd" not in methods.LOSSLESS
 
 

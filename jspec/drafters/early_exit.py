@@ -59,8 +59,7 @@ class EarlyExit(Drafter):
     def draft(self, params, dparams, cfg, s, controller, sampling, key):
         def step(carry, j, x, positions):
             cache, dstate = carry
-            h, cache = model.run_layers(params, cfg, model.embed(params, x[:, None]), positions, cache,
-                                        self.shallow)
+            h, cache = model.run_layers(params, cfg, model.embed(params, x[:, None]), positions, cache, self.shallow)
             dstate = {**dstate, "hidden": dstate["hidden"].at[:, j].set(h[:, 0])}
             logits, dstate = self._draft_logits(params, dparams, cfg, h, positions, dstate)
             return logits, (cache, dstate)

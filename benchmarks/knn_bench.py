@@ -64,13 +64,9 @@ def main() -> None:
                 key = (label, json.dumps(p["id"]))
                 if key in done and label != "ar":  # ar runs again: the others are checked against it
                     continue
-                programs = len(model.programs())
-                [rec] = model.run_batch([request], 1, args.max_new_tokens, Sampling(), jax.random.key(0), plan)
-                if len(model.programs()) > programs:
-                    # A program's first run pays for its first execution (about 1.5 s on a long
-                    # prompt's bucket), which would land on whichever variant meets a bucket first:
-                    # the timed run is the second, as jspec bench's warm-up does.
-                    [rec] = model.run_batch([request], 1, args.max_new_tokens, Sampling(), jax.random.key(0), plan)
+                # Else a program's first run would land on whichever variant meets a bucket first.
+                [rec] = bench.steady_run(model, lambda: model.run_batch(
+                    [request], 1, args.max_new_tokens, Sampling(), jax.random.key(0), plan))
                 ar = rec["token_ids"] if label == "ar" else ar
                 if key in done:
                     continue

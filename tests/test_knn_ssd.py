@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jspec import heads, knn, methods
+from jspec import heads, knn, methods, skip_search
 from jspec import model as jmodel
 from jspec.api import Model
 from jspec.bench.hlo import cache_copies
@@ -163,6 +163,24 @@ def test_anchors_of_another_model_refused(setup, tmp_path):
         setup.target.generate(setup.prompts[:1], method="knn-ssd", knn=str(tmp_path / "missing"))
     with pytest.raises(JspecError, match="no domain"):
         setup.target.generate(setup.prompts[:1], method="knn-ssd", knn=setup.folder, domain="nope")
+
+
+def test_search_times_only_runs_that_compiled_nothing(setup, monkeypatch):
+    """search-skip's objective: ar and each trial are timed on a run that compiled no program; a
+    program's first run (ar's, the first trial's) is repeated, later trials run once."""
+    model = Model(setup.target.cfg, setup.target.params, name="fresh")  # no program compiled yet
+    runs = []
+    run_batch = model.run_batch
+    monkeypatch.setattr(model, "run_batch", lambda reqs, *a: runs.append(reqs[0].token_ids) or run_batch(reqs, *a))
+    requests = model.requests(setup.prompts[:2])  # one prompt bucket
+    first, second = (r.token_ids for r in requests)
+    measure = skip_search.Measure(model, requests, 8)
+    assert runs == [first, first, second] and measure.ar == [a[:8] for a in setup.ar[:2]]
+    for trial in (SETS[0], SETS[1]):
+        runs.clear()
+        speed, extra = measure(trial)
+        assert runs == ([first, first, second] if trial is SETS[0] else [first, second])
+        assert speed > 0 and extra["same_as_ar"]
 
 
 @pytest.mark.slow

@@ -41,11 +41,12 @@ HIDDEN = 512
 FORMAT = 1
 
 
-def init(key: jax.Array, count: int) -> dict:
-    """`count` predictors, PyTorch's default Linear initialisation (uniform in +-1/sqrt(fan_in))."""
+def init(key: jax.Array, count: int, features: int = FEATURES) -> dict:
+    """`count` predictors, PyTorch's default Linear initialisation (uniform in +-1/sqrt(fan_in)).
+    `features` other than 12 only for experiments (benchmarks/specee_features.py): decoding reads 12."""
     k1, k2, k3, k4 = jax.random.split(key, 4)
     u = lambda k, shape, fan_in: jax.random.uniform(k, shape, jnp.float32, -fan_in ** -0.5, fan_in ** -0.5)
-    return {"w1": u(k1, (count, FEATURES, HIDDEN), FEATURES), "b1": u(k2, (count, HIDDEN), FEATURES),
+    return {"w1": u(k1, (count, features, HIDDEN), features), "b1": u(k2, (count, HIDDEN), features),
             "w2": u(k3, (count, HIDDEN), HIDDEN), "b2": u(k4, (count,), HIDDEN)}
 
 

@@ -52,7 +52,7 @@ def make(lm, prompts: list[dict], out: str | os.PathLike, *, count: int = 512, m
             "max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
             "shard_size": shard_size, "seed": seed}
     check_or_write_meta(out, meta)
-    chosen = _choose(lm, prompts, count, max_prompt_tokens, seed)
+    chosen = choose(lm, prompts, count, max_prompt_tokens, seed)
     shards = [chosen[i:i + shard_size] for i in range(0, len(chosen), shard_size)]
     todo = [i for i in range(len(shards)) if not shard_path(out, i).exists()]
     teacher = functools.partial(teacher_top_k, cfg=lm.cfg, answer=max_new_tokens, k=top_k)
@@ -80,7 +80,7 @@ def check_or_write_meta(out: Path, meta: dict) -> None:
     path.write_text(json.dumps(meta, indent=1) + "\n")
 
 
-def _choose(lm, prompts, count, max_prompt_tokens, seed):
+def choose(lm, prompts, count, max_prompt_tokens, seed):
     order = list(range(len(prompts)))
     random.Random(seed).shuffle(order)
     chosen = []

@@ -102,10 +102,11 @@ def feature_matrix(cand_logits: np.ndarray) -> np.ndarray:
 
 
 def fit(x: np.ndarray, y: np.ndarray, key, epochs: int, batch: int = 1024, lr: float = 1e-3, progress: bool = True):
-    """Fit the P predictors at once on x [P, N, 12], y [P, N]; returns (params, loss per step)."""
+    """Fit the P predictors at once on x [P, N, F] (F = 12 in decoding), y [P, N]; returns (params,
+    loss per step)."""
     from tqdm import tqdm
 
-    pp = predictors.init(key, x.shape[0])
+    pp = predictors.init(key, x.shape[0], x.shape[-1])
     opt = optax.adam(lr)
     opt_state = opt.init(pp)
     x, y = jnp.asarray(x), jnp.asarray(y, jnp.float32)
@@ -206,12 +207,26 @@ def train(model, head_path: str, head_kind: str, sequences, *, epochs: int, seed
     return pp, {**meta, "losses": [round(v, 4) for v in losses[:: max(1, len(losses) // 50)]]}
 
 
+def answer(model, requests: list, head: str, *, max_new_tokens: int, batch_size: int,
+           progress: bool = True) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, answer ids) of the model's greedy answers to `requests` (empty answers left out)."""
+    from tqdm import tqdm
+
+    # The head's own method decodes the same greedy tokens as ar, faster.
+    records = model.stream(requests, heads.read_meta(head)["kind"], head=str(head), max_new_tokens=max_new_tokens,
+                           batch_size=batch_size)
+    answers = [r["token_ids"] for r in tqdm(records, total=len(requests), desc="answers", unit="prompt",
+                                            disable=not progress, dynamic_ncols=True)]
+    ran = [r for batch in batches(requests, batch_size) for r in batch]
+    return [(r.token_ids, a) for r, a in zip(ran, answers) if a]
+
+
 def make(model, prompts: list[dict], out, *, head: str | None = None, count: int = 256, max_prompt_tokens: int = 192,
          max_new_tokens: int = 64, epochs: int = 30, batch_size: int = 8, seed: int = 0, progress: bool = True):
     """Answer `count` of `prompts` greedily, train predictors over `head` (default: the Kangaroo head
     shipped for the default model), save them to `out`; returns (path, training summary)."""
     from jspec import methods
-    from jspec.training.distill import _choose
+    from jspec.training.distill import choose
 
     if min(count, max_new_tokens, epochs, batch_size) < 1:
         raise JspecError("count, max-new-tokens, epochs and batch-size must all be >= 1")
@@ -220,16 +235,9 @@ def make(model, prompts: list[dict], out, *, head: str | None = None, count: int
         raise JspecError("train-predictors needs --head PATH (a Kangaroo or EESD head): heads ship only for "
                          "the default model")
     kind = heads.read_meta(head)["kind"]
-    requests = _choose(model, prompts, count, max_prompt_tokens, seed)
+    requests = choose(model, prompts, count, max_prompt_tokens, seed)
     t0 = time.perf_counter()
-    # The head's own method decodes the same greedy tokens as ar, faster.
-    records = model.stream(requests, kind, head=str(head), max_new_tokens=max_new_tokens, batch_size=batch_size)
-    from tqdm import tqdm
-
-    answers = [r["token_ids"] for r in tqdm(records, total=len(requests), desc="answers", unit="prompt",
-                                            disable=not progress, dynamic_ncols=True)]
-    ran = [r for batch in batches(requests, batch_size) for r in batch]
-    sequences = [(r.token_ids, a) for r, a in zip(ran, answers) if a]
+    sequences = answer(model, requests, head, max_new_tokens=max_new_tokens, batch_size=batch_size, progress=progress)
     answer_seconds = time.perf_counter() - t0
     pp, meta = train(model, str(head), kind, sequences, epochs=epochs, seed=seed, batch_size=batch_size,
                      progress=progress)

@@ -81,6 +81,8 @@ def check_or_write_meta(out: Path, meta: dict) -> None:
 
 
 def choose(lm, prompts, count, max_prompt_tokens, seed):
+    """The first `count` requests, in a seeded shuffle of `prompts`, whose prompt fits in
+    `max_prompt_tokens` tokens: the same seed gives the same order whatever the count."""
     order = list(range(len(prompts)))
     random.Random(seed).shuffle(order)
     chosen = []

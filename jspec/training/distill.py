@@ -135,8 +135,7 @@ def length_batches(lens: np.ndarray, max_len: int, batch_tokens: int):
     """(width, rows, members) batches of the sequences of lengths `lens` for a teacher forward: each
     padded to the power of two (from MIN_WIDTH, at most max_len) at or above its length, `rows` =
     batch_tokens // width rows a batch (the last one padded), so a few widths compile and short
-    sequences cost what they are, not the longest one's length (3.5x on answers to prompts of up to
-    512 tokens)."""
+    sequences cost what they are, not the longest one's length (docs/heads.md, "Fourth run")."""
     width = np.minimum(2 ** np.ceil(np.log2(np.maximum(lens, MIN_WIDTH))).astype(int), max_len)
     for w in np.unique(width):
         rows = max(1, batch_tokens // int(w))

@@ -176,10 +176,14 @@ class Model:
 
     def stream(self, requests: Sequence[Request], method: str = "ar", *, max_new_tokens: int = 128,
                batch_size: int = 1, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-               seed: int = 0, **method_options) -> Iterator[dict]:
+               seed: int = 0, logprobs: int = 0, **method_options) -> Iterator[dict]:
         """Check everything, then return an iterator of records that runs batch by batch (the CLI
         writes them as they come). They come in the order of `batches(requests, batch_size)`:
         the requests' own order at batch size 1, shortest prompts first above it.
+
+        `logprobs` = k > 0 adds to each record "top_ids" and "top_logprobs" (NumPy [new_tokens, k]):
+        the target's k most likely tokens and their untempered log-probabilities behind each
+        generated token (the distillation data's teacher, jspec.training.distill).
 
         `method_options` are those of `jspec.methods.build` (max_draft, controller, exit_layer,
         skip_layers, draft_model, threshold, ...); `draft_model` may be a path or a loaded Model.
@@ -193,6 +197,8 @@ class Model:
             raise JspecError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
         if batch_size < 1:
             raise JspecError(f"--batch-size must be >= 1, got {batch_size}")
+        if not 0 <= logprobs <= self.cfg.vocab_size:
+            raise JspecError(f"logprobs must be in 0..{self.cfg.vocab_size}, got {logprobs}")
         sampling = Sampling(temperature, top_k, top_p)
         context = self.cfg.max_position_embeddings
         for r in requests:
@@ -200,13 +206,13 @@ class Model:
                 raise JspecError(
                     f"prompt {r.id!r} has {len(r.token_ids)} tokens; with --max-new-tokens {max_new_tokens} "
                     f"that exceeds the model's context of {context}")
-        return self._batches(list(requests), batch_size, max_new_tokens, sampling, seed, plan)
+        return self._batches(list(requests), batch_size, max_new_tokens, sampling, seed, plan, logprobs)
 
-    def _batches(self, requests, batch_size, max_new_tokens, sampling, seed, plan) -> Iterator[dict]:
+    def _batches(self, requests, batch_size, max_new_tokens, sampling, seed, plan, logprobs) -> Iterator[dict]:
         for batch in batches(requests, batch_size):
             key = jax.random.fold_in(jax.random.key(seed), batch[0].index)
             yield from self.run_batch(batch, self.batch_rows(len(batch), batch_size), max_new_tokens, sampling,
-                                      key, plan)
+                                      key, plan, logprobs)
 
     def batch_rows(self, n: int, batch_size: int) -> int:
         return batch_rows(n, batch_size, 1 if self.mesh is None else self.mesh.shape["data"])
@@ -216,7 +222,7 @@ class Model:
         return next(name for name, d in store.DTYPES.items() if d == dtype)
 
     def run_batch(self, batch: Sequence[Request], rows: int, max_new: int, sampling: Sampling, key,
-                  plan) -> list[dict]:
+                  plan, logprobs: int = 0) -> list[dict]:
         """One batch, padded to `rows`, through a built plan (`jspec.methods.build`'s drafter, its
         params and controller, or one made by hand, as the skip-set search does): its records, with
         no checks (`stream` makes them)."""
@@ -226,16 +232,18 @@ class Model:
         eos = np.asarray(self.cfg.eos_token_ids or (-1,), np.int32)
         args = self._place(tokens, packing, eos)
         cache = self._cache(rows, s)
-        fn = self._compile(rows, tokens.shape[1], s, max_new, sampling, plan, cache, args, key)
+        fn = self._compile(rows, tokens.shape[1], s, max_new, sampling, plan, cache, args, key, logprobs)
         t0 = time.perf_counter()
         out, stats, cache = fn(self.params, dparams, cache, *args, key)
         out, stats = distributed.gather((out, stats))
         seconds = time.perf_counter() - t0
         self._caches[(rows, s)] = cache
+        top = {name: stats.pop(name) for name in ("top_ids", "top_logprobs") if name in stats}
         records = [self._record(r, out[i, :stats["new_tokens"][i]], {k: v[i].tolist() for k, v in stats.items()},
                                 seconds) for i, r in enumerate(batch)]
         for i, record in enumerate(records):
             record["stats"].update(drafter.record_stats({k: v[i].tolist() for k, v in stats.items()}))
+            record.update({name: x[i, :record["new_tokens"]] for name, x in top.items()})
         return records
 
     def pack(self, batch: Sequence[Request], rows: int) -> tuple[np.ndarray, Packing]:
@@ -267,16 +275,17 @@ class Model:
 
     def programs(self) -> dict:
         """The decoding programs compiled so far (jax.stages.Compiled), by their signature:
-        (rows, prompt bucket, cache length, max new tokens, sampling, drafter, controller, ...)."""
+        (rows, prompt bucket, cache length, max new tokens, sampling, drafter, controller, ..., logprobs)."""
         return dict(self._compiled)
 
-    def _compile(self, rows, p, s, max_new, sampling, plan, cache, args, key):
+    def _compile(self, rows, p, s, max_new, sampling, plan, cache, args, key, logprobs):
         drafter, dparams, controller = plan
         shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(dparams))
-        sig = (rows, p, s, max_new, sampling, drafter, controller, jax.tree.structure(dparams), shapes)
+        sig = (rows, p, s, max_new, sampling, drafter, controller, jax.tree.structure(dparams), shapes, logprobs)
         if sig not in self._compiled:
             lowered = loop.generate.lower(self.params, dparams, cache, *args, key, cfg=self.cfg, sampling=sampling,
-                                          max_new_tokens=max_new, drafter=drafter, controller=controller)
+                                          max_new_tokens=max_new, drafter=drafter, controller=controller,
+                                          logprobs=logprobs)
             self._compiled[sig] = lowered.compile()
         return self._compiled[sig]
 

@@ -524,7 +524,7 @@ def _add_distill(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=256, metavar="N",
                    help="text: cut each sequence to N tokens (default: %(default)s)")
     p.add_argument("--batch-tokens", type=int, default=2048, metavar="N",
-                   help="tokens per teacher forward, padding included (default: %(default)s)")
+                   help="text: tokens per forward, padding included (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=32, metavar="K",
                    help="teacher log-probabilities kept per position (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=16, metavar="N", help="answers (default: %(default)s)")
@@ -555,8 +555,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
         out = distill.make(model, prompts, args.out, count=args.count or 512,
                            max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_k=args.top_k, shard_size=args.shard_size or 64,
-                           batch_size=args.batch_size, batch_tokens=args.batch_tokens, seed=args.seed,
-                           source=" ".join(args.prompts))
+                           batch_size=args.batch_size, seed=args.seed, source=" ".join(args.prompts))
     else:
         if args.count is not None:
             prompts = random.Random(args.seed).sample(prompts, min(args.count, len(prompts)))

@@ -61,7 +61,7 @@ def test_distill_data_is_the_models_own_greedy_answer(lm, data):
         [ref] = lm.generate([{"token_ids": row[:p].tolist()}], max_new_tokens=NEW)
         assert row[p:p + a].tolist() == ref["token_ids"]
         assert top[:a, 0].tolist() == ref["token_ids"]  # the teacher's top-1 is the greedy answer
-    # The teacher pass ran each row at its length's width: as one forward over the row at full width.
+    # The log-probabilities the decoding loop returned: as one forward over prompt + answer gives them.
     ids, logp = distill.teacher_top_k(lm.params, jnp.asarray(d["tokens"]), jnp.asarray(d["prompt_lens"]), cfg=lm.cfg,
                                       answer=NEW, k=8)
     np.testing.assert_array_equal(d["top_ids"], ids)

@@ -37,6 +37,7 @@ from jspec.convert import store
 from jspec.drafters.base import Draft, Drafter
 from jspec.engine.loop import verify_widths
 from jspec.sampling import Sampling, probabilities
+from jspec.training import distill
 
 NEW = 32  # max_new_tokens of the greedy tests
 FREE_NEW = NEW + 8  # the run without EOS goes further: the oracle drafter reads past NEW
@@ -196,6 +197,25 @@ def test_ar_stats(spec):
         assert r["stats"]["mean_accepted_tokens"] == 1.0
         assert (r["stats"]["drafted"], r["stats"]["accepted"]) == (0, 0)
         assert r["stats"]["rounds"] == r["new_tokens"]
+
+
+@pytest.mark.parametrize("method", ["ar", "eesd"])
+def test_logprobs_are_the_targets_top_k(spec, method):
+    """`logprobs`: behind every generated token, the target's top k as one forward over prompt +
+    output gives them, whichever round emitted it (accepted drafts and bonus tokens alike)."""
+    k = 5
+    records = (spec.target.generate(spec.prompts, max_new_tokens=NEW, batch_size=4, logprobs=k) if method == "ar"
+               else run(spec, method, logprobs=k))
+    assert ids(records) == spec.ar
+    for prompt, r in zip(spec.prompts, records):
+        n = r["new_tokens"]
+        assert r["top_ids"].shape == r["top_logprobs"].shape == (n, k)
+        assert r["top_ids"][:, 0].tolist() == r["token_ids"]  # greedy: the most likely token is the one emitted
+        tokens = jnp.asarray([prompt["token_ids"] + r["token_ids"]], jnp.int32)
+        want_ids, want_logp = distill.teacher_top_k(spec.target.params, tokens, jnp.asarray([len(prompt["token_ids"])]),
+                                                    cfg=spec.target.cfg, answer=n, k=k)
+        np.testing.assert_array_equal(r["top_ids"], want_ids[0])
+        np.testing.assert_allclose(r["top_logprobs"], want_logp[0], rtol=0, atol=1e-5)
 
 
 # Every drafter under `fixed` (which checks that a model drafter drafts K every round) and under

@@ -40,10 +40,18 @@ class LoopState:
     accepted: jax.Array  # [B]
     dstate: object  # the drafter's own state
     cstate: object  # the controller's state
+    top: tuple | None = None  # (ids, log-probs) [B, max_new, k] of the target at each emitted token, if asked
 
 
-def _emit(s: LoopState, tokens: jax.Array, count: jax.Array, eos_ids, max_new_tokens: int) -> LoopState:
-    """Append tokens[b, :count[b]] to each live row, stopping at EOS and at max_new_tokens."""
+def top_logprobs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """logits [..., V] -> the k most likely ids [..., k] and their untempered log-probabilities."""
+    logp, ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)
+    return ids.astype(jnp.int32), logp
+
+
+def _emit(s: LoopState, tokens: jax.Array, count: jax.Array, eos_ids, max_new_tokens: int, top=None) -> LoopState:
+    """Append tokens[b, :count[b]] to each live row, stopping at EOS and at max_new_tokens (and
+    `top`, the target's top-k [B, K+1, k] behind each token, when the loop keeps them)."""
     k1 = tokens.shape[1]
     slot = jnp.arange(k1)[None, :]
     is_eos = jnp.isin(tokens, eos_ids) & (slot < count[:, None])
@@ -54,9 +62,12 @@ def _emit(s: LoopState, tokens: jax.Array, count: jax.Array, eos_ids, max_new_to
     rows = jnp.arange(tokens.shape[0])[:, None]
     seq = s.seq.at[rows, jnp.where(slot < count[:, None], pos, s.seq.shape[1])].set(tokens, mode="drop")
     last = jnp.where(count > 0, jnp.take_along_axis(tokens, jnp.maximum(count - 1, 0)[:, None], 1)[:, 0], s.last)
+    if top is not None:
+        at = jnp.where(slot < count[:, None], s.n[:, None] + slot, max_new_tokens)
+        top = tuple(kept.at[rows, at].set(new, mode="drop") for kept, new in zip(s.top, top))
     n = s.n + count
     done = s.done | (first_eos < count) | (n >= max_new_tokens)
-    return dataclasses.replace(s, seq=seq, last=last, length=s.length + count, n=n, done=done)
+    return dataclasses.replace(s, seq=seq, last=last, length=s.length + count, n=n, done=done, top=top)
 
 
 def verify_widths(max_draft: int) -> tuple[int, ...]:
@@ -74,14 +85,17 @@ def width_index(widths: tuple[int, ...], longest: jax.Array) -> jax.Array:
     return jnp.sum(jnp.asarray(widths)[:-1] < longest + 1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "max_new_tokens", "drafter", "controller"),
-                   donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "max_new_tokens", "drafter", "controller",
+                                             "logprobs"), donate_argnames=("cache",))
 def generate(params, dparams, cache: model.KVCache, tokens, packing: model.Packing, eos_ids, key, *,
-             cfg: ModelConfig, sampling: Sampling, max_new_tokens: int, drafter, controller):
+             cfg: ModelConfig, sampling: Sampling, max_new_tokens: int, drafter, controller, logprobs: int = 0):
     """tokens [R, T]: B prompts packed as `packing` says (jspec.api.pack); eos_ids [E].
 
     Returns (out [B, max_new_tokens] with -1 past each row's end, stats dict of [B] arrays, cache).
-    The cache needs P + max_new_tokens + K + 1 positions, P = packing.bucket.
+    The cache needs P + max_new_tokens + K + 1 positions, P = packing.bucket. With `logprobs` = k > 0
+    stats also hold "top_ids" and "top_logprobs" [B, max_new_tokens, k]: the target's k most likely
+    next tokens behind each generated token, from the logits the round verified with (what a
+    teacher-forced forward over prompt + output would give, without running one).
     """
     prompt_lens = packing.lens
     b, p, k = prompt_lens.shape[0], packing.bucket, drafter.max_draft
@@ -89,12 +103,17 @@ def generate(params, dparams, cache: model.KVCache, tokens, packing: model.Packi
     seq = jnp.zeros((b, cache.length), jnp.int32).at[:, :p].set(prompts)
     h, cache, dstate = drafter.prefill(params, dparams, cfg, tokens, packing, cache)
     key, sub = jax.random.split(key)
-    first = next_token(model.logits(params, cfg, h), sampling, sub)
+    first_logits = model.logits(params, cfg, h)
+    first = next_token(first_logits, sampling, sub)
     zeros = jnp.zeros((b,), jnp.int32)
+    top = None
+    if logprobs:
+        top = tuple(jnp.zeros((b, max_new_tokens, logprobs), x.dtype).at[:, 0].set(x)
+                    for x in top_logprobs(first_logits, logprobs))
     s = LoopState(cache=cache, seq=seq.at[jnp.arange(b), prompt_lens].set(first), last=first,
                   length=prompt_lens, n=jnp.ones((b,), jnp.int32),
                   done=jnp.isin(first, eos_ids) | (max_new_tokens == 1), key=key, rounds=jnp.ones((b,), jnp.int32),
-                  drafted=zeros, accepted=zeros, dstate=dstate, cstate=controller.init(b, k))
+                  drafted=zeros, accepted=zeros, dstate=dstate, cstate=controller.init(b, k), top=top)
 
     def round_(s: LoopState) -> LoopState:
         key, k_draft, k_accept = jax.random.split(s.key, 3)
@@ -119,12 +138,13 @@ def generate(params, dparams, cache: model.KVCache, tokens, packing: model.Packi
         s = dataclasses.replace(s, cache=cache, key=key, dstate=d.dstate, cstate=cstate,
                                 rounds=s.rounds + live, drafted=s.drafted + live * d.n,
                                 accepted=s.accepted + live * n_acc)
-        return _emit(s, emitted, n_acc + 1, eos_ids, max_new_tokens)
+        top = top_logprobs(target_logits, logprobs) if logprobs else None
+        return _emit(s, emitted, n_acc + 1, eos_ids, max_new_tokens, top)
 
     s = jax.lax.while_loop(lambda s: ~jnp.all(s.done), round_, s)
     idx = prompt_lens[:, None] + jnp.arange(max_new_tokens)[None, :]
     out = jnp.take_along_axis(s.seq, jnp.minimum(idx, cache.length - 1), axis=1)
     out = jnp.where(jnp.arange(max_new_tokens)[None, :] < s.n[:, None], out, -1)
     stats = {"new_tokens": s.n, "rounds": s.rounds, "drafted": s.drafted, "accepted": s.accepted,
-             **drafter.stats(s.dstate)}
+             **drafter.stats(s.dstate), **(dict(zip(("top_ids", "top_logprobs"), s.top)) if logprobs else {})}
     return out, stats, s.cache

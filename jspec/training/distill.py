@@ -2,8 +2,9 @@
 
 `make(model, prompts, out, ...)` picks prompts (a seeded shuffle, prompts longer than
 `max_prompt_tokens` left out), lets the target answer them with jspec's own decoding (greedy, or
-sampled with `temperature`), then runs the target once more over prompt + answer and keeps its
-top-k next-token log-probabilities at every answer position. Heads train against those, so a
+sampled with `temperature`), and keeps the top-k next-token log-probabilities behind every answer
+token, which the decoding loop returns with the tokens (`logprobs`; a second forward over prompt +
+answer used to compute them again, half of the run's time). Heads train against those, so a
 head for any exit layer trains from the same data (the frozen first N layers are recomputed in
 training; they cost less than storing hidden states for every candidate layer).
 
@@ -21,7 +22,6 @@ so an interrupted run resumes losing at most one shard.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -36,22 +36,17 @@ from jspec import model as M
 from jspec.errors import JspecError
 
 FORMAT = 1
-MIN_WIDTH = 32  # the narrowest teacher batch: a handful of widths, each one compilation
 
 
 def make(lm, prompts: list[dict], out: str | os.PathLike, *, count: int = 512, max_prompt_tokens: int = 256,
          max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 32, shard_size: int = 64,
-         batch_size: int = 16, batch_tokens: int = 2048, seed: int = 0, source: str | None = None,
-         progress: bool = True) -> Path:
+         batch_size: int = 16, seed: int = 0, source: str | None = None, progress: bool = True) -> Path:
     """Write self-distillation shards for `count` of `prompts` (dicts as jspec.jsonl reads them);
-    `source` names where the prompts came from (the --prompts values), recorded in meta.json.
-    `batch_size` rows answer at a time; the teacher pass batches `batch_tokens` tokens (length_batches)."""
+    `source` names where the prompts came from (the --prompts values), recorded in meta.json."""
     from tqdm import tqdm
 
     if count < 1 or max_new_tokens < 1 or top_k < 1 or shard_size < 1 or batch_size < 1:
         raise JspecError("count, max-new-tokens, top-k, shard-size and batch-size must all be >= 1")
-    if batch_tokens < max_prompt_tokens + max_new_tokens:
-        raise JspecError("--batch-tokens must be >= --max-prompt-tokens + --max-new-tokens")
     out = Path(out)
     meta = {"format": FORMAT, "model": lm.name, "prompts": source, "count": count, "max_prompt_tokens": max_prompt_tokens,
             "max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
@@ -60,12 +55,11 @@ def make(lm, prompts: list[dict], out: str | os.PathLike, *, count: int = 512, m
     chosen = choose(lm, prompts, count, max_prompt_tokens, seed)
     shards = [chosen[i:i + shard_size] for i in range(0, len(chosen), shard_size)]
     todo = [i for i in range(len(shards)) if not shard_path(out, i).exists()]
-    teacher = jax.jit(functools.partial(teacher_top_k, cfg=lm.cfg, answer=max_new_tokens, k=top_k))
     with tqdm(total=len(chosen), initial=len(chosen) - sum(len(shards[i]) for i in todo), unit="prompt",
               disable=not progress, dynamic_ncols=True) as bar:
         for i in todo:
-            _write_shard(lm, shards[i], out, i, teacher, max_prompt_tokens, max_new_tokens, top_k, temperature,
-                         batch_size, batch_tokens, seed)
+            _write_shard(lm, shards[i], out, i, max_prompt_tokens, max_new_tokens, top_k, temperature, batch_size,
+                         seed)
             bar.update(len(shards[i]))
     return out
 
@@ -105,43 +99,26 @@ def shard_path(out: Path, i: int) -> Path:
     return out / f"shard-{i:05d}.npz"
 
 
-def _write_shard(lm, requests, out, index, teacher, max_prompt, max_new, top_k, temperature, batch_size,
-                 batch_tokens, seed):
+def _write_shard(lm, requests, out, index, max_prompt, max_new, top_k, temperature, batch_size, seed):
     # Sorted as `api.batches` sorts (stably, by length), so the records come back in this order at
-    # any batch size.
+    # any batch size. The teacher's top-k come from the decoding loop itself (`logprobs`): the
+    # logits each token was chosen from, what a forward over prompt + answer would give again.
     requests = sorted(requests, key=lambda r: len(r.token_ids))
     records = list(lm.stream(requests, "ar", max_new_tokens=max_new, batch_size=batch_size,
-                             temperature=temperature, seed=seed))
+                             temperature=temperature, seed=seed, logprobs=top_k))
     n, length = len(requests), max_prompt + max_new
     tokens = np.zeros((n, length), np.int32)
+    top_ids = np.zeros((n, max_new, top_k), np.int32)
+    top_logp = np.zeros((n, max_new, top_k), np.float32)
     prompt_lens = np.array([len(r.token_ids) for r in requests], np.int32)
     answer_lens = np.array([rec["new_tokens"] for rec in records], np.int32)
     for row, (r, rec) in enumerate(zip(requests, records)):
         seq = r.token_ids + rec["token_ids"]
         tokens[row, :len(seq)] = seq
-    top_ids = np.zeros((n, max_new, top_k), np.int32)
-    top_logp = np.zeros(top_ids.shape, np.float32)
-    for width, rows, chunk in length_batches(prompt_lens + answer_lens, length, batch_tokens):
-        ids, logp = jax.device_get(teacher(lm.params, jnp.asarray(pad_rows(tokens[chunk, :width], rows)),
-                                           jnp.asarray(pad_rows(prompt_lens[chunk], rows))))
-        for r, row in enumerate(chunk):
-            top_ids[row, :answer_lens[row]] = ids[r, :answer_lens[row]]
-            top_logp[row, :answer_lens[row]] = logp[r, :answer_lens[row]]
+        top_ids[row, :answer_lens[row]] = rec["top_ids"]
+        top_logp[row, :answer_lens[row]] = rec["top_logprobs"]
     write_npz(shard_path(out, index), tokens=tokens, prompt_lens=prompt_lens, answer_lens=answer_lens,
               top_ids=top_ids, top_logp=top_logp)
-
-
-def length_batches(lens: np.ndarray, max_len: int, batch_tokens: int):
-    """(width, rows, members) batches of the sequences of lengths `lens` for a teacher forward: each
-    padded to the power of two (from MIN_WIDTH, at most max_len) at or above its length, `rows` =
-    batch_tokens // width rows a batch (the last one padded), so a few widths compile and short
-    sequences cost what they are, not the longest one's length (docs/heads.md, "Fourth run")."""
-    width = np.minimum(2 ** np.ceil(np.log2(np.maximum(lens, MIN_WIDTH))).astype(int), max_len)
-    for w in np.unique(width):
-        rows = max(1, batch_tokens // int(w))
-        members = np.flatnonzero(width == w)
-        for i in range(0, len(members), rows):
-            yield int(w), rows, members[i:i + rows]
 
 
 def write_npz(path: Path, **arrays) -> None:

@@ -11,8 +11,8 @@ log-probabilities at every target position, in the shard format of jspec.trainin
 - `from_answers`: the rows of a generating `distill-data` folder, prompt + the model's answer,
   with the answer as targets (the equality the tests check against the generating path).
 
-Within a shard the sequences are grouped by length and batched by a token budget
-(distill.length_batches, as the generating path's teacher pass does), so short texts cost what they are.
+Within a shard the sequences are grouped by length (powers of two: one compilation each, at most
+half of a batch padding) and batched by a token budget, so short texts cost what they are.
 
 OUT/meta.json          what was asked for and a digest of the sequences (a rerun must match)
 OUT/shard-00000.npz    tokens [N, L], prompt_lens [N] (first target position), answer_lens [N]
@@ -35,6 +35,7 @@ from jspec.errors import JspecError
 from jspec.training import distill
 
 FORMAT = 1
+MIN_BUCKET = 32  # batches are padded to a power of two from here: a handful of compilations
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,14 +108,18 @@ def _write_shard(lm, seqs, out, index, teacher, max_tokens, top_k, batch_tokens,
     starts = np.array([s.start for s in seqs], np.int32)
     top_ids = np.zeros((n, max_tokens - 1, top_k), np.int32)
     top_logp = np.zeros((n, max_tokens - 1, top_k), np.float32)
-    for width, rows, chunk in distill.length_batches(lens, max_tokens, batch_tokens):
-        batch = distill.pad_rows(tokens[chunk, :width], rows)
-        ids, logp = jax.device_get(teacher(lm.params, jnp.asarray(batch)))  # [rows, width - 1, k]
-        for r, row in enumerate(chunk):  # targets start..len-1, from the states at start-1..len-2
-            a = lens[row] - starts[row]
-            top_ids[row, :a] = ids[r, starts[row] - 1:lens[row] - 1]
-            top_logp[row, :a] = logp[r, starts[row] - 1:lens[row] - 1]
-        bar.update(int((lens[chunk] - starts[chunk]).sum()))
+    bucket = np.minimum(2 ** np.ceil(np.log2(np.maximum(lens, MIN_BUCKET))).astype(int), max_tokens)  # [n]
+    for length in np.unique(bucket):
+        rows = max(1, batch_tokens // length)
+        members = np.flatnonzero(bucket == length)
+        for chunk in (members[i:i + rows] for i in range(0, len(members), rows)):
+            batch = distill.pad_rows(tokens[chunk, :length], rows)
+            ids, logp = jax.device_get(teacher(lm.params, jnp.asarray(batch)))  # [rows, length - 1, k]
+            for r, row in enumerate(chunk):  # targets start..len-1, from the states at start-1..len-2
+                a = lens[row] - starts[row]
+                top_ids[row, :a] = ids[r, starts[row] - 1:lens[row] - 1]
+                top_logp[row, :a] = logp[r, starts[row] - 1:lens[row] - 1]
+            bar.update(int((lens[chunk] - starts[chunk]).sum()))
     distill.write_npz(distill.shard_path(out, index), tokens=tokens, prompt_lens=starts, answer_lens=lens - starts,
                       prompt_key=np.array([s.prompt_key for s in seqs], np.uint64), top_ids=top_ids,
                       top_logp=top_logp)

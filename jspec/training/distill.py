@@ -28,11 +28,11 @@ import os
 import random
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jspec import model as M
+from jspec.engine.loop import top_logprobs
 from jspec.errors import JspecError
 
 FORMAT = 1
@@ -139,9 +139,7 @@ def teacher_top_k(params, tokens, prompt_lens, *, cfg, answer: int, k: int):
     h, _ = M.forward(params, cfg, tokens, None, M.KVCache.zeros(cfg, b, length))
     at = jnp.minimum(prompt_lens[:, None] - 1 + jnp.arange(answer)[None], length - 1)  # [B, A]
     h = jnp.take_along_axis(h, at[:, :, None], axis=1)
-    logp = jax.nn.log_softmax(M.logits(params, cfg, h), axis=-1)
-    top_logp, top_ids = jax.lax.top_k(logp, k)
-    return top_ids.astype(jnp.int32), top_logp
+    return top_logprobs(M.logits(params, cfg, h), k)
 
 
 def load(path: str | os.PathLike) -> tuple[dict, dict]:

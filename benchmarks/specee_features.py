@@ -22,63 +22,18 @@ whether the depth-d state itself holds more of the answer to "is this depth's ch
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import jspec
-from jspec import heads, methods, model as M, predictors, prompt_sets
-from jspec.api import prompt_bucket
+from jspec import heads, methods, prompt_sets
 from jspec.jsonl import read_prompts
 from jspec.training import predictors as train
 from jspec.training.distill import choose
 
 THRESHOLDS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.97, 0.99)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "exit_layer"))
-def depth_pass(params, hp, tokens, *, cfg, exit_layer: int):
-    """tokens [B, T] -> candidate logits [P, B, T, C], z [P, B, T, D] (float16), candidates [B, T, C],
-    the full model's log-probs of the candidates [B, T, C] and of its own token [B, T]."""
-    b, t = tokens.shape
-    h, cache = M.run_layers(params, cfg, M.embed(params, tokens), None, M.KVCache.zeros(cfg, b, t), range(exit_layer))
-    x, _ = heads.block(cfg, hp, h, None, heads.empty_kv(cfg, hp, b, t))
-    _, idx = jax.lax.top_k(M.linear(x, hp["lm_head"], jnp.float32), predictors.CANDIDATES)
-    rows = jnp.take(hp["lm_head"], idx, axis=0).astype(jnp.float32)
-    cand_logits, zs = [], []
-    for d in range(exit_layer, cfg.num_layers):
-        z = M.rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-        cand_logits.append(jnp.einsum("btd,btcd->btc", z, rows))
-        zs.append(z.astype(jnp.float16))  # 26 depths x 576 floats a position: half the memory
-        h, cache = M.run_layers(params, cfg, h, None, cache, [d])
-    logp = jax.nn.log_softmax(M.logits(params, cfg, h).astype(jnp.float32), axis=-1)
-    cand = hp["vocab"][idx]
-    return jnp.stack(cand_logits), jnp.stack(zs), cand, jnp.take_along_axis(logp, cand, -1), logp.max(-1)
-
-
-def collect(model, hp, exit_layer, sequences, batch_size=8):
-    hp = heads.draft_params(model.params, hp)
-    parts = {k: [] for k in ("cand_logits", "z", "cand", "cand_logp", "final_logp", "sequence")}
-    order = sorted(range(len(sequences)), key=lambda i: sum(map(len, sequences[i])))
-    for start in range(0, len(order), batch_size):
-        group = order[start:start + batch_size]
-        tokens = np.zeros((batch_size, prompt_bucket(max(sum(map(len, sequences[i])) for i in group))), np.int32)
-        for row, i in enumerate(group):
-            ids = sequences[i][0] + sequences[i][1]
-            tokens[row, :len(ids)] = ids
-        out = jax.device_get(depth_pass(model.params, hp, jnp.asarray(tokens), cfg=model.cfg, exit_layer=exit_layer))
-        for row, i in enumerate(group):
-            prompt, answer = sequences[i]
-            span = slice(len(prompt) - 1, len(prompt) + len(answer) - 1)
-            parts["cand_logits"].append(out[0][:, row, span])
-            parts["z"].append(out[1][:, row, span])
-            for key, value in zip(("cand", "cand_logp", "final_logp"), out[2:]):
-                parts[key].append(value[row, span])
-            parts["sequence"].append(np.full(span.stop - span.start, i))
-    return {k: np.concatenate(v, axis=1 if k in ("cand_logits", "z") else 0) for k, v in parts.items()}
 
 
 def replay(p, label, cost, depths, num_layers, ar_nll):
@@ -109,12 +64,10 @@ def main() -> None:
     n, num_layers = meta["exit_layer"], model.cfg.num_layers
     depths = list(range(n, num_layers))
     requests = choose(model, read_prompts(prompt_sets.resolve(prompt_sets.TRAIN_PROMPTS)), args.count, 192, 0)
-    data = collect(model, hp, n, train.answer(model, requests, head, max_new_tokens=64, batch_size=8))
-    cl, cand = data["cand_logits"], data["cand"]
+    data = train.collect(model, hp, n, train.answer(model, requests, head, max_new_tokens=64, batch_size=8),
+                         states=True)
+    cl, label, in_candidates = data["cand_logits"], data["label"], data["in_candidates"]
     choice = cl.argmax(-1)  # [P, N] the depth's choice, an index into the candidates
-    final = np.argmax(data["cand_logp"] >= data["final_logp"][:, None], axis=-1)
-    in_candidates = (data["cand_logp"] >= data["final_logp"][:, None]).any(-1)
-    label = (choice == final[None]) & in_candidates[None]
     cost = data["final_logp"][None] - np.take_along_axis(data["cand_logp"][None], choice[..., None], -1)[..., 0]
     held = data["sequence"] % 10 == 9
     ar_nll = float(-data["final_logp"][held].mean())

@@ -33,36 +33,48 @@ SCHEDULE_MAX = 8
 FULL_RULE_SEQUENCES = 16
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "exit_layer", "full"))
-def _depth_arrays(params, hp, tokens, *, cfg, exit_layer: int, full: bool):
-    """tokens [B, T] -> candidate logits [P, B, T, C], candidates [B, T, C], final tokens [B, T] and,
-    when `full`, each depth's full-vocabulary argmax [P, B, T] (P = L - exit_layer depths)."""
+@functools.partial(jax.jit, static_argnames=("cfg", "exit_layer", "full", "states"))
+def _depth_arrays(params, hp, tokens, *, cfg, exit_layer: int, full: bool, states: bool):
+    """tokens [B, T] -> candidate logits [P, B, T, C], candidates [B, T, C], final tokens [B, T],
+    when `full` each depth's full-vocabulary argmax [P, B, T] (P = L - exit_layer depths), and when
+    `states` each depth's final-normed state z [P, B, T, D] (float16) with the full model's
+    log-probs of the candidates [B, T, C] and of its own token [B, T]."""
     b, t = tokens.shape
     h, cache = M.run_layers(params, cfg, M.embed(params, tokens), None, M.KVCache.zeros(cfg, b, t), range(exit_layer))
     x, _ = heads.block(cfg, hp, h, None, heads.empty_kv(cfg, hp, b, t))
     _, idx = jax.lax.top_k(M.linear(x, hp["lm_head"], jnp.float32), predictors.CANDIDATES)
     rows = jnp.take(hp["lm_head"], idx, axis=0).astype(jnp.float32)  # [B, T, C, D]
-    cand_logits, argmaxes = [], []
+    cand_logits, argmaxes, zs = [], [], []
     for d in range(exit_layer, cfg.num_layers):
         z = M.rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
         cand_logits.append(jnp.einsum("btd,btcd->btc", z, rows))
         if full:
             argmaxes.append(jnp.argmax(M.logits(params, cfg, h), axis=-1).astype(jnp.int32))
+        if states:
+            zs.append(z.astype(jnp.float16))  # 26 depths x 576 floats a position: half the memory
         h, cache = M.run_layers(params, cfg, h, None, cache, [d])
-    final = jnp.argmax(M.logits(params, cfg, h), axis=-1).astype(jnp.int32)
-    return jnp.stack(cand_logits), hp["vocab"][idx], final, jnp.stack(argmaxes) if full else None
+    logits = M.logits(params, cfg, h)
+    cand = hp["vocab"][idx]
+    final = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    out = (jnp.stack(cand_logits), cand, final, jnp.stack(argmaxes) if full else None)
+    if not states:
+        return out + (None, None, None)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return out + (jnp.stack(zs), jnp.take_along_axis(logp, cand, -1), logp.max(-1))
 
 
 def collect(model, hp: dict, exit_layer: int, sequences: list[tuple[list[int], list[int]]], batch_size: int = 8,
-            progress: bool = True) -> dict:
+            progress: bool = True, states: bool = False) -> dict:
     """Per answer position (the position whose next token is an answer token), for every depth:
     cand_logits [P, N, C], label [P, N] (the candidates' argmax is the final token), the sequence
-    each sample came from [N], and on the first sequences the full-vocabulary rule's labels."""
+    each sample came from [N], and on the first sequences the full-vocabulary rule's labels; with
+    `states`, also z [P, N, D], cand_logp [N, C] and final_logp [N] (`_depth_arrays`)."""
     from tqdm import tqdm
 
     cfg = model.cfg
     hp = {**heads.draft_params(model.params, hp)}
-    out = {"cand_logits": [], "label": [], "in_candidates": [], "sequence": [], "full_label": []}
+    out = {"cand_logits": [], "label": [], "in_candidates": [], "sequence": [], "full_label": [],
+           "z": [], "cand_logp": [], "final_logp": []}
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i][0]) + len(sequences[i][1]))
     for start in tqdm(range(0, len(order), batch_size), desc="full-depth runs", unit="batch",
                       disable=not progress, dynamic_ncols=True):
@@ -73,8 +85,8 @@ def collect(model, hp: dict, exit_layer: int, sequences: list[tuple[list[int], l
             ids = sequences[i][0] + sequences[i][1]
             tokens[row, :len(ids)] = ids
         full = start < FULL_RULE_SEQUENCES  # the shortest answers: one more compile, not one per bucket
-        cl, cand, final, argmaxes = jax.device_get(
-            _depth_arrays(model.params, hp, jnp.asarray(tokens), cfg=cfg, exit_layer=exit_layer, full=full))
+        cl, cand, final, argmaxes, z, cand_logp, final_logp = jax.device_get(_depth_arrays(
+            model.params, hp, jnp.asarray(tokens), cfg=cfg, exit_layer=exit_layer, full=full, states=states))
         for row, i in enumerate(group):
             prompt, answer = sequences[i]
             span = slice(len(prompt) - 1, len(prompt) + len(answer) - 1)
@@ -85,10 +97,13 @@ def collect(model, hp: dict, exit_layer: int, sequences: list[tuple[list[int], l
             out["sequence"].append(np.full(span.stop - span.start, i))
             if full:
                 out["full_label"].append(argmaxes[:, row, span] == final[row, span][None])
+            if states:
+                out["z"].append(z[:, row, span])
+                out["cand_logp"].append(cand_logp[row, span])
+                out["final_logp"].append(final_logp[row, span])
     cat = lambda xs, axis: np.concatenate(xs, axis=axis) if xs else None
-    return {"cand_logits": cat(out["cand_logits"], 1), "label": cat(out["label"], 1),
-            "in_candidates": cat(out["in_candidates"], 0), "sequence": cat(out["sequence"], 0),
-            "full_label": cat(out["full_label"], 1)}
+    depth_major = ("cand_logits", "label", "full_label", "z")
+    return {k: cat(v, 1 if k in depth_major else 0) for k, v in out.items()}
 
 
 def feature_matrix(cand_logits: np.ndarray) -> np.ndarray:

@@ -599,6 +599,9 @@ def _add_train_head(sub) -> None:
                    help="weight of cross-entropy on the answer tokens, added to the KL (default: %(default)s)")
     p.add_argument("--draft-vocab", type=int, default=r.draft_vocab, metavar="M",
                    help="draft-only vocabulary: the M most frequent answer tokens; 0 = all (default: %(default)s)")
+    p.add_argument("--init", default=r.init, metavar="HEAD",
+                   help="start from this trained head (same kind, exit layer and head layers; its draft "
+                        "vocabulary is kept), e.g. to go on training a shipped head on new data")
     p.add_argument("--eval-fraction", type=float, default=r.eval_fraction, help="(default: %(default)s)")
     p.add_argument("--save-every", type=int, default=r.save_every, metavar="STEPS", help="(default: %(default)s)")
     p.add_argument("--eval-every", type=int, default=r.eval_every, metavar="STEPS",
@@ -615,7 +618,7 @@ def cmd_train_head(args: argparse.Namespace) -> int:
 
     recipe = train.Recipe(kind=args.kind, exit_layer=args.exit_layer, head_layers=args.head_layers, steps=args.steps, batch_size=args.batch_size,
                           lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay, b1=args.b1, b2=args.b2,
-                          clip=args.clip, ce_weight=args.ce_weight, draft_vocab=args.draft_vocab,
+                          clip=args.clip, ce_weight=args.ce_weight, draft_vocab=args.draft_vocab, init=args.init,
                           eval_fraction=args.eval_fraction, save_every=args.save_every,
                           eval_every=args.eval_every, patience=args.patience, seed=args.seed)
     recipe.check()

@@ -13,6 +13,9 @@ folders when given (and no training row of the same prompts), else the prompts w
 falls in `eval_fraction`. Held-out rows give top-1 agreement with the target and the expected
 acceptance sum_x min(p(x), q(x)) of one drafted token.
 
+The head starts from the target's layers N .. N+D-1 (jspec.heads.init), or from a saved head
+(`init`, its draft vocabulary kept): training a shipped head further on new data.
+
 Optimiser: AdamW with linear warmup, cosine decay to a tenth and global-norm clipping (optax).
 With `eval_every`, the held-out agreement is measured every so many steps; the best parameters
 are kept and training stops after `patience` measurements without a gain (early stopping). The
@@ -67,6 +70,7 @@ class Recipe:
     eval_every: int = 0  # 0: measure held-out agreement only at the end (no early stopping)
     patience: int = 5
     seed: int = 0
+    init: str = ""  # a saved head to start from (its draft vocabulary kept); "": fresh from the target's layers
 
     def check(self) -> None:
         if self.kind not in heads.KINDS:
@@ -174,27 +178,49 @@ def widths(data: dict) -> np.ndarray:
     return np.minimum(2 ** np.ceil(np.log2(np.maximum(ends, 32))).astype(np.int64), data["tokens"].shape[1])
 
 
-def exit_states(params, cfg, exit_layer: int, tokens: np.ndarray, width: np.ndarray, batch_size: int) -> np.ndarray:
-    """The frozen target's layer-N hidden states of every sequence [N, L, D] (zero after each
-    row's `width`), computed once: the head trains for many epochs on them, and they are most of a
-    step's work otherwise. Rows run in order of width, each batch at its widest row's."""
+@dataclasses.dataclass(frozen=True)
+class ExitStates:
+    """The frozen layers' states of every row, each kept up to its own width only: [sum of widths, D]
+    instead of [rows, longest, D] (12,000 answers padded to 640 positions would take 17.7 GB in
+    float32, where their widths sum to about a third of that)."""
+    flat: np.ndarray  # [sum(width), D]
+    start: np.ndarray  # [N] where each row begins in flat
+    width: np.ndarray  # [N]
+
+    def rows(self, rows: np.ndarray, width: int) -> np.ndarray:
+        """[len(rows), width, D], zero after each row's own width."""
+        out = np.zeros((len(rows), width, self.flat.shape[1]), self.flat.dtype)
+        for i, r in enumerate(rows):
+            w = min(int(self.width[r]), width)
+            out[i, :w] = self.flat[self.start[r]:self.start[r] + w]
+        return out
+
+
+def exit_states(params, cfg, exit_layer: int, tokens: np.ndarray, width: np.ndarray, batch_size: int) -> ExitStates:
+    """The frozen target's layer-N hidden states of every sequence up to its `width`, computed
+    once: the head trains for many epochs on them, and they are most of a step's work otherwise.
+    Rows run in order of width, each batch at its widest row's."""
     @jax.jit
     def run(tokens):
         cache = M.KVCache.zeros(cfg, *tokens.shape)
         h, _ = M.run_layers(params, cfg, M.embed(params, tokens), None, cache, range(exit_layer))
         return h.astype(jnp.float32)
 
-    out = np.zeros(tokens.shape + (cfg.hidden_size,), np.float32)
+    width = np.asarray(width, np.int64)
+    start = np.concatenate([[0], np.cumsum(width)[:-1]]).astype(np.int64)
+    flat = np.zeros((int(width.sum()), cfg.hidden_size), np.float32)
     order = np.argsort(width, kind="stable")
-    for start in range(0, len(order), batch_size):
-        rows = order[start:start + batch_size]
+    for first in range(0, len(order), batch_size):
+        rows = order[first:first + batch_size]
         w = int(width[rows].max())
-        out[rows, :w] = np.asarray(run(jnp.asarray(distill.pad_rows(tokens[rows, :w], batch_size))))[:len(rows)]
-    return out
+        h = np.asarray(run(jnp.asarray(distill.pad_rows(tokens[rows, :w], batch_size))))
+        for i, r in enumerate(rows):
+            flat[start[r]:start[r] + width[r]] = h[i, :width[r]]
+    return ExitStates(flat, start, width)
 
 
 def _batch(arrays: dict, rows: np.ndarray, width: int) -> dict:
-    return {k: jnp.asarray(v[rows, :width] if k == "hidden" else v[rows]) for k, v in arrays.items()}
+    return {k: jnp.asarray(v.rows(rows, width) if k == "hidden" else v[rows]) for k, v in arrays.items()}
 
 
 def _forward(trainable, frozen, cfg, batch):
@@ -254,12 +280,16 @@ def train(lm, data_dirs, out, recipe: Recipe, eval_dirs=(), progress: bool = Tru
     if len(train_rows) < recipe.batch_size or not len(eval_rows):
         raise JspecError(f"the data has {len(train_rows)} training and {len(eval_rows)} held-out sequences: "
                          f"too few for a batch of {recipe.batch_size} and a held-out set")
-    vocab = draft_vocabulary(data["tokens"][train_rows], data["prompt_lens"][train_rows],
-                             data["answer_lens"][train_rows], cfg.vocab_size, recipe.draft_vocab)
+    if recipe.init:
+        hp = start_head(lm, recipe)
+        vocab = np.asarray(hp["vocab"])
+    else:
+        vocab = draft_vocabulary(data["tokens"][train_rows], data["prompt_lens"][train_rows],
+                                 data["answer_lens"][train_rows], cfg.vocab_size, recipe.draft_vocab)
+        hp = heads.init(params, cfg, recipe.kind, recipe.exit_layer, vocab, recipe.head_layers)
     arrays = _prepare(data, vocab, cfg.vocab_size)
     width = widths(data)
     arrays["hidden"] = exit_states(params, cfg, recipe.exit_layer, data["tokens"], width, 2 * recipe.batch_size)
-    hp = heads.init(params, cfg, recipe.kind, recipe.exit_layer, vocab, recipe.head_layers)
     frozen = {"vocab": hp["vocab"], "lm_head": heads.draft_params(params, hp)["lm_head"].astype(jnp.float32)}
     trainable = {"layers": hp["layers"], "norm": hp["norm"]}
 
@@ -369,6 +399,16 @@ def train(lm, data_dirs, out, recipe: Recipe, eval_dirs=(), progress: bool = Tru
             "model_name": lm.name, "draft_vocab": int(len(vocab)), "training": summary}
     path = heads.save(out, {**final, "vocab": hp["vocab"]}, meta)
     return path, summary
+
+
+def start_head(lm, recipe: Recipe) -> dict:
+    """The parameters of `recipe.init`, a saved head of the recipe's kind, exit layer and depth."""
+    hp, meta = heads.load(recipe.init, lm.cfg, lm.mesh)
+    have = (meta["kind"], meta["exit_layer"], len(hp["layers"]))
+    if have != (recipe.kind, recipe.exit_layer, recipe.head_layers):
+        raise JspecError(f"--init {recipe.init} is a {have[0]} head at exit layer {have[1]} with {have[2]} layer(s); "
+                         f"ask for the same --kind, --exit-layer and --head-layers")
+    return hp
 
 
 def saved_steps(ckpt_dir: Path) -> list[int]:

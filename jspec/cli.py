@@ -614,6 +614,7 @@ def _add_train_head(sub) -> None:
 
 
 def cmd_train_head(args: argparse.Namespace) -> int:
+    from jspec.heads import read_meta
     from jspec.training import train
 
     recipe = train.Recipe(kind=args.kind, exit_layer=args.exit_layer, head_layers=args.head_layers, steps=args.steps, batch_size=args.batch_size,
@@ -625,6 +626,8 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     for folder in args.data + args.eval_data:
         if not os.path.isfile(os.path.join(folder, "meta.json")):
             raise JspecError(f"{folder} holds no distillation data (no meta.json); run jspec distill-data first")
+    if args.init:
+        read_meta(args.init)  # before the model loads
     model = load_model(args)
     path, summary = train.train(model, args.data, args.out, recipe, eval_dirs=args.eval_data)
     print(f"saved {path}: held-out agreement {summary['agreement']:.3f}, expected acceptance "

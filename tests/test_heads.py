@@ -311,6 +311,8 @@ def test_head_for_another_model_is_refused(lm, make_tiny, tmp_path):
 def test_cli_errors_are_one_line(tmp_path, capsys):
     bench = tmp_path / "spec_bench.jsonl"
     bench.write_text('{"prompt": "x"}\n')
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "meta.json").write_text("{}")
     for argv, message in [
         (["distill-data", "--prompts", str(bench), "--out", str(tmp_path / "d")], "evaluation set"),
         (["distill-data", "--prompts", "all", "spec_bench", "--out", str(tmp_path / "d")], "evaluation set"),
@@ -320,6 +322,8 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         (["train-head", "--kind", "medusa", "--exit-layer", "4", "--data", "d", "--out", "h"], "invalid choice"),
         (["train-head", "--kind", "eesd", "--exit-layer", "4", "--data", "d", "--out", "h", "--steps", "0"],
          "--steps must be >= 1"),
+        (["train-head", "--kind", "eesd", "--exit-layer", "4", "--data", str(tmp_path / "data"), "--out", "h",
+          "--init", str(tmp_path), "--model", "/no/such/model"], "not a jspec head"),
     ]:
         assert main(argv) == 2
         err = capsys.readouterr().err

@@ -50,6 +50,37 @@ def command(i: int, d: dict) -> str:
             f"--seed {d['seed']}{stopped}")
 
 
+def folders_of(t: dict) -> list[dict]:
+    return [t["data"]] if isinstance(t["data"], dict) else t["data"]  # heads before several --data: one
+
+
+def reproduce(kind: str, exit_layer: int, t: dict, out: str, names: dict) -> list[str]:
+    """The commands that make a head of training summary `t`: those of the head it started from
+    (--init) first, then its data folders (each named once in `names`), then its train-head."""
+    r = t["recipe"]
+    lines = reproduce(kind, exit_layer, t["started_from"], f"{out}-start", names) if r.get("init") else []
+    args = {"--data": [], "--eval-data": []}
+    for d in folders_of(t):
+        content = {k: v for k, v in d.items() if k not in ("path", "held_out")}
+        key = json.dumps(content, sort_keys=True)
+        if key not in names:
+            names[key] = f"data{len(names)}"
+            same = [n for k, n in names.items() if {**json.loads(k), "sequences": 0} == {**content, "sequences": 0}
+                    and n != names[key]]
+            lines.append(f"# {names[key]}: {d['sequences']} of {same[0]}'s prompts, some of its shards linked into "
+                         f"a folder of their own" if same else command(len(names) - 1, d).replace(
+                             f"data{len(names) - 1}", names[key]))
+        args["--eval-data" if d.get("held_out") else "--data"].append(names[key])
+    depth = r.get("head_layers", 1)
+    lines.append(
+        f"jspec train-head --kind {kind} --exit-layer {exit_layer}{f' --head-layers {depth}' if depth > 1 else ''}"
+        + "".join(f" {flag} {' '.join(v)}" for flag, v in args.items() if v)
+        + f"{f' --init {out}-start' if r.get('init') else ''} --out {out} --steps {r['steps']} --lr {r['lr']} "
+          f"--b2 {r.get('b2', 0.999)} --warmup {r['warmup']} --clip {r['clip']} --draft-vocab {r['draft_vocab']} "
+          f"--eval-every {r.get('eval_every', 0)} --patience {r.get('patience', 5)}")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("head")
@@ -61,6 +92,7 @@ def main() -> None:
     kind, n, t = meta["kind"], meta["exit_layer"], meta["training"]
     rows = [json.loads(line) for line in Path(args.results).read_text().split("\n") if line.strip()]
     speedup, accepted, prompts = speed(rows, args.method or kind)
+    commands = reproduce(kind, n, t, f"{kind}-head", {})
     dest = DEST / kind
     if dest.resolve() != src.resolve():
         if dest.exists():
@@ -68,7 +100,8 @@ def main() -> None:
         shutil.copytree(src, dest)
     r = t["recipe"]
     depth = r.get("head_layers", 1)
-    folders = [t["data"]] if isinstance(t["data"], dict) else t["data"]  # heads before several --data: one
+    trained_on = [d for d in folders_of(t) if not d.get("held_out")]
+    start = " from a trained head (the first train-head below)" if r.get("init") else ""
     card = f"""# {kind} head for SmolLM2-135M-Instruct
 
 | | |
@@ -77,8 +110,8 @@ def main() -> None:
 | kind | {kind} ({depth} {"decoder block" if kind == "eesd" else "attention adapter"}{"s" if depth > 1 else ""} + norm, frozen LM head) |
 | exit layer | {n} of 30 |
 | draft vocabulary | {meta["draft_vocab"]} tokens (covers {t["vocab_coverage"]:.1%} of the teacher's held-out top-1 tokens) |
-| data | {"; ".join(describe(d) for d in folders)}; {t["train_sequences"]} sequences ({t.get("train_tokens", "?")} target tokens) trained on, {t["held_out_sequences"]} held out by prompt |
-| training | {t["steps"]} steps of {r["batch_size"]} sequences (best held-out agreement at step {t.get("best_step", t["steps"])}), AdamW lr {r["lr"]} betas ({r.get("b1", 0.9)}, {r.get("b2", 0.999)}) (warmup {r["warmup"]}, cosine), clip {r["clip"]}, {t["wall_seconds"] / 60:.0f} min on 2 CPU cores (wall time, whatever else ran) |
+| data | {"; ".join(describe(d) for d in trained_on)}; {t["train_sequences"]} sequences ({t.get("train_tokens", "?")} target tokens) trained on, {t["held_out_sequences"]} held out by prompt |
+| training | {t["steps"]} steps of {r["batch_size"]} sequences{start} (best held-out agreement at step {t.get("best_step", t["steps"])}), AdamW lr {r["lr"]} betas ({r.get("b1", 0.9)}, {r.get("b2", 0.999)}) (warmup {r["warmup"]}, cosine), clip {r["clip"]}, {t["wall_seconds"] / 60:.0f} min on 2 CPU cores (wall time, whatever else ran) |
 | held-out top-1 agreement | {t["agreement"]:.3f} |
 | held-out expected acceptance (sum min(p, q)) | {t["expected_acceptance"]:.3f} |
 | Spec-Bench speedup vs jspec `ar` | {speedup:.2f}x, {accepted:.2f} mean accepted tokens ({prompts} questions, greedy, batch 1; docs/benchmarks.md) |
@@ -86,8 +119,7 @@ def main() -> None:
 Reproduce:
 
 ```bash
-{chr(10).join(command(i, d) for i, d in enumerate(folders))}
-jspec train-head --kind {kind} --exit-layer {n}{f" --head-layers {depth}" if depth > 1 else ""} --data {" ".join(f"data{i}" for i in range(len(folders)))} --out {kind}-head --steps {r["steps"]} --lr {r["lr"]} --b2 {r.get("b2", 0.999)} --warmup {r["warmup"]} --clip {r["clip"]} --draft-vocab {r["draft_vocab"]} --eval-every {r.get("eval_every", 0)} --patience {r.get("patience", 5)}
+{chr(10).join(commands)}
 ```
 """
     (dest / "README.md").write_text(card)

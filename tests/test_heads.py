@@ -160,6 +160,7 @@ def test_training_on_answers_and_text_with_held_out_answers(lm, data, tmp_path):
     recipe = train.Recipe(**{**RECIPE.__dict__, "steps": 40, "eval_every": 5, "patience": 2})
     path, summary = train.train(lm, [data, text], tmp_path / "head", recipe, eval_dirs=[held], progress=False)
     assert summary["held_out_sequences"] == 6 and summary["held_out_tokens"] == 6 * NEW
+    assert [d["held_out"] for d in summary["data"]] == [False, False, True]
     held_keys = set(distill.load(held)[1]["prompt_key"])
     total = sum(len(distill.load(f)[1]["tokens"]) for f in (data, text))
     keys = np.concatenate([distill.load(f)[1]["prompt_key"] for f in (data, text)])
@@ -281,6 +282,7 @@ def test_training_goes_on_from_a_saved_head(lm, data, tmp_path):
     again = train.Recipe(**{**RECIPE.__dict__, "init": str(first), "steps": 1, "warmup": 1, "draft_vocab": 64})
     path, resumed = train.train(lm, data, tmp_path / "again", again, progress=False)
     assert resumed["agreement"] == summary["agreement"]
+    assert heads.read_meta(path)["training"]["started_from"] == heads.read_meta(first)["training"]
     for a, b in zip(jax.tree.leaves(heads.load(path, lm.cfg)[0]), jax.tree.leaves(heads.load(first, lm.cfg)[0])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(JspecError, match="ask for the same"):

@@ -280,8 +280,9 @@ def train(lm, data_dirs, out, recipe: Recipe, eval_dirs=(), progress: bool = Tru
     if len(train_rows) < recipe.batch_size or not len(eval_rows):
         raise JspecError(f"the data has {len(train_rows)} training and {len(eval_rows)} held-out sequences: "
                          f"too few for a batch of {recipe.batch_size} and a held-out set")
+    started_from = None
     if recipe.init:
-        hp = start_head(lm, recipe)
+        hp, started_from = start_head(lm, recipe)
         vocab = np.asarray(hp["vocab"])
     else:
         vocab = draft_vocabulary(data["tokens"][train_rows], data["prompt_lens"][train_rows],
@@ -393,22 +394,25 @@ def train(lm, data_dirs, out, recipe: Recipe, eval_dirs=(), progress: bool = Tru
                "train_tokens": int(data["answer_lens"][train_rows].sum()), "held_out_sequences": len(eval_rows),
                "held_out_tokens": int(data["answer_lens"][eval_rows].sum()),
                **{k: round(v, 4) for k, v in final_metrics.items()}, "recipe": dataclasses.asdict(recipe),
-               "data": [{"path": f, **m, "sequences": int((data["folder"] == i).sum())}
+               "data": [{"path": f, **m, "sequences": int((data["folder"] == i).sum()), "held_out": i >= len(data_dirs)}
                         for i, (f, m) in enumerate(zip(folders, data_metas))]}
+    if started_from is not None:  # the head's lineage travels with it: the --init head may be replaced later
+        summary["started_from"] = started_from
     meta = {"kind": recipe.kind, "exit_layer": recipe.exit_layer, "model": heads.fingerprint(cfg),
             "model_name": lm.name, "draft_vocab": int(len(vocab)), "training": summary}
     path = heads.save(out, {**final, "vocab": hp["vocab"]}, meta)
     return path, summary
 
 
-def start_head(lm, recipe: Recipe) -> dict:
-    """The parameters of `recipe.init`, a saved head of the recipe's kind, exit layer and depth."""
+def start_head(lm, recipe: Recipe) -> tuple[dict, dict]:
+    """(the parameters, the training summary) of `recipe.init`, a saved head of the recipe's kind,
+    exit layer and depth."""
     hp, meta = heads.load(recipe.init, lm.cfg, lm.mesh)
     have = (meta["kind"], meta["exit_layer"], len(hp["layers"]))
     if have != (recipe.kind, recipe.exit_layer, recipe.head_layers):
         raise JspecError(f"--init {recipe.init} is a {have[0]} head at exit layer {have[1]} with {have[2]} layer(s); "
                          f"ask for the same --kind, --exit-layer and --head-layers")
-    return hp
+    return hp, meta.get("training", {})
 
 
 def saved_steps(ckpt_dir: Path) -> list[int]:

@@ -182,7 +182,7 @@ def widths(data: dict) -> np.ndarray:
 class ExitStates:
     """The frozen layers' states of every row, each kept up to its own width only: [sum of widths, D]
     instead of [rows, longest, D] (12,000 answers padded to 640 positions would take 17.7 GB in
-    float32, where their widths sum to about a third of that)."""
+    float32, where their widths sum to 43% of that)."""
     flat: np.ndarray  # [sum(width), D]
     start: np.ndarray  # [N] where each row begins in flat
     width: np.ndarray  # [N]

@@ -36,6 +36,7 @@ from jspec.engine.loop import top_logprobs
 from jspec.errors import JspecError
 
 FORMAT = 1
+MIN_WIDTH = 32  # the narrowest padded width of a forward (padded_widths)
 
 
 def make(lm, prompts: list[dict], out: str | os.PathLike, *, count: int = 512, max_prompt_tokens: int = 256,
@@ -131,6 +132,13 @@ def write_npz(path: Path, **arrays) -> None:
 def pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
     """x [n, ...] with n <= rows, filled up to `rows` by repeating its first row."""
     return np.concatenate([x, np.repeat(x[:1], rows - len(x), axis=0)]) if len(x) < rows else x
+
+
+def padded_widths(lens: np.ndarray, max_len: int) -> np.ndarray:
+    """The width each sequence of length `lens` [N] pads to for a forward: the power of two (from
+    MIN_WIDTH) at or above it, at most `max_len`. A handful of widths, one compilation each, and
+    no sequence more than half padding (beyond MIN_WIDTH)."""
+    return np.minimum(2 ** np.ceil(np.log2(np.maximum(lens, MIN_WIDTH))).astype(np.int64), max_len)
 
 
 def teacher_top_k(params, tokens, prompt_lens, *, cfg, answer: int, k: int):

@@ -11,8 +11,8 @@ log-probabilities at every target position, in the shard format of jspec.trainin
 - `from_answers`: the rows of a generating `distill-data` folder, prompt + the model's answer,
   with the answer as targets (the equality the tests check against the generating path).
 
-Within a shard the sequences are grouped by length (powers of two: one compilation each, at most
-half of a batch padding) and batched by a token budget, so short texts cost what they are.
+Within a shard the sequences are grouped by padded width (distill.padded_widths, as training
+batches its rows) and batched by a token budget, so short texts cost what they are.
 
 OUT/meta.json          what was asked for and a digest of the sequences (a rerun must match)
 OUT/shard-00000.npz    tokens [N, L], prompt_lens [N] (first target position), answer_lens [N]
@@ -35,7 +35,6 @@ from jspec.errors import JspecError
 from jspec.training import distill
 
 FORMAT = 1
-MIN_BUCKET = 32  # batches are padded to a power of two from here: a handful of compilations
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +107,7 @@ def _write_shard(lm, seqs, out, index, teacher, max_tokens, top_k, batch_tokens,
     starts = np.array([s.start for s in seqs], np.int32)
     top_ids = np.zeros((n, max_tokens - 1, top_k), np.int32)
     top_logp = np.zeros((n, max_tokens - 1, top_k), np.float32)
-    bucket = np.minimum(2 ** np.ceil(np.log2(np.maximum(lens, MIN_BUCKET))).astype(int), max_tokens)  # [n]
+    bucket = distill.padded_widths(lens, max_tokens)  # [n]
     for length in np.unique(bucket):
         rows = max(1, batch_tokens // length)
         members = np.flatnonzero(bucket == length)

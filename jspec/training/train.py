@@ -174,8 +174,7 @@ def widths(data: dict) -> np.ndarray:
     text ends, at most the data's length. Batches of one width compile once; most rows are far
     shorter than the longest, which sets the length (answers to prompts of up to 512 tokens: 208
     on average of 640)."""
-    ends = data["prompt_lens"] + data["answer_lens"]
-    return np.minimum(2 ** np.ceil(np.log2(np.maximum(ends, 32))).astype(np.int64), data["tokens"].shape[1])
+    return distill.padded_widths(data["prompt_lens"] + data["answer_lens"], data["tokens"].shape[1])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,11 +1,12 @@
 """Copy a trained head into checkpoints/ and write its card from head.json and benchmark results.
 
-    python benchmarks/ship_head.py HEAD_DIR --results benchmarks/results.jsonl
+    python benchmarks/ship_head.py HEAD_DIR --results benchmarks/results.jsonl [--lookup-results FILE]
 
 The card's speedup is the head's method (`eesd` or `kangaroo`, run on the default model with
 its defaults) over jspec `ar`, mean tokens/s over the same prompts at batch 1 in that results
 file (the Spec-Bench run of docs/benchmarks.md). When the results measured the head before it was
-shipped, `--method` names its rows (e.g. `eesd:head=/path/to/it`).
+shipped, `--method` names its rows (e.g. `eesd:head=/path/to/it`). `--lookup-results` adds the
+speedup of the shipped head behind prompt lookup (rows `KIND:lookup=2` of that file).
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ def speed(rows: list[dict], method: str) -> tuple[float, float, int]:
     both = sorted(set(got) & set(ar))
     tps = lambda d: statistics.mean(d[i]["tokens_per_second"] for i in both)
     return tps(got) / tps(ar), statistics.mean(got[i]["mean_accepted_tokens"] for i in both), len(both)
+
+
+def read(path: str) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().split("\n") if line.strip()]
 
 
 def describe(d: dict) -> str:
@@ -86,12 +91,17 @@ def main() -> None:
     ap.add_argument("head")
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results.jsonl"))
     ap.add_argument("--method", help="the results' method for this head (default: its kind)")
+    ap.add_argument("--lookup-results", help="a run with rows KIND:lookup=2 (the shipped head behind prompt lookup)")
     args = ap.parse_args()
     src = Path(args.head)
     meta = json.loads((src / "head.json").read_text())
     kind, n, t = meta["kind"], meta["exit_layer"], meta["training"]
-    rows = [json.loads(line) for line in Path(args.results).read_text().split("\n") if line.strip()]
-    speedup, accepted, prompts = speed(rows, args.method or kind)
+    speedup, accepted, prompts = speed(read(args.results), args.method or kind)
+    lookup_row = ""
+    if args.lookup_results:
+        x, a, q = speed(read(args.lookup_results), f"{kind}:lookup=2")
+        lookup_row = (f"\n| the same behind prompt lookup (`--lookup 2`) | {x:.2f}x, {a:.2f} mean accepted tokens "
+                      f"({q} questions, another run; docs/benchmarks.md) |")
     commands = reproduce(kind, n, t, f"{kind}-head", {})
     dest = DEST / kind
     if dest.resolve() != src.resolve():
@@ -114,7 +124,7 @@ def main() -> None:
 | training | {t["steps"]} steps of {r["batch_size"]} sequences{start} (best held-out agreement at step {t.get("best_step", t["steps"])}), AdamW lr {r["lr"]} betas ({r.get("b1", 0.9)}, {r.get("b2", 0.999)}) (warmup {r["warmup"]}, cosine), clip {r["clip"]}, {t["wall_seconds"] / 60:.0f} min on 2 CPU cores (wall time, whatever else ran) |
 | held-out top-1 agreement | {t["agreement"]:.3f} |
 | held-out expected acceptance (sum min(p, q)) | {t["expected_acceptance"]:.3f} |
-| Spec-Bench speedup vs jspec `ar` | {speedup:.2f}x, {accepted:.2f} mean accepted tokens ({prompts} questions, greedy, batch 1; docs/benchmarks.md) |
+| Spec-Bench speedup vs jspec `ar` | {speedup:.2f}x, {accepted:.2f} mean accepted tokens ({prompts} questions, greedy, batch 1; docs/benchmarks.md) |{lookup_row}
 
 Reproduce:
 

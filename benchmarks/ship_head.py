@@ -69,12 +69,13 @@ def reproduce(kind: str, exit_layer: int, t: dict, out: str, names: dict) -> lis
         content = {k: v for k, v in d.items() if k not in ("path", "held_out")}
         key = json.dumps(content, sort_keys=True)
         if key not in names:
-            names[key] = f"data{len(names)}"
-            same = [n for k, n in names.items() if {**json.loads(k), "sequences": 0} == {**content, "sequences": 0}
-                    and n != names[key]]
-            lines.append(f"# {names[key]}: {d['sequences']} of {same[0]}'s prompts, some of its shards linked into "
-                         f"a folder of their own" if same else command(len(names) - 1, d).replace(
-                             f"data{len(names) - 1}", names[key]))
+            i = len(names)
+            names[key] = f"data{i}"
+            # a folder that differs from an earlier one only in how many sequences it holds: some of its shards
+            parent = [n for k, n in names.items() if n != names[key]
+                      and {**json.loads(k), "sequences": 0} == {**content, "sequences": 0}]
+            lines.append(f"# data{i}: {d['sequences']} of {parent[0]}'s prompts, some of its shards linked into "
+                         f"a folder of their own" if parent else command(i, d))
         args["--eval-data" if d.get("held_out") else "--data"].append(names[key])
     depth = r.get("head_layers", 1)
     lines.append(

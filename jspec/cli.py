@@ -108,9 +108,9 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     d.add_argument("--domain", default=None, metavar="NAME",
                    help="knn-ssd: run this domain's skip set on every prompt instead of choosing by anchor")
     d.add_argument("--lookup", type=int, default=None, metavar="N",
-                   help="draft, early-exit, eesd, kangaroo, knn-ssd, layer-skip: copy what followed an earlier "
-                        "repeat of the last N tokens (1-3) instead of drafting, when there is one (above batch 1: "
-                        "when every row has one; default: off)")
+                   help="draft, early-exit, eesd, kangaroo, knn-ssd, layer-skip, specee: copy what followed an "
+                        "earlier repeat of the last N tokens (1-3) instead of drafting (specee: instead of exiting "
+                        "early), when there is one (above batch 1: when every row has one; default: off)")
     d.add_argument("--lookup-draft", type=int, default=None, metavar="K",
                    help="with --lookup: most tokens copied per round (default: 4, at least --max-draft)")
     m = p.add_argument_group("mjsd (lossy: the output differs from ar's)")
@@ -121,7 +121,7 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
                         "(default: 0.5)")
     e = p.add_argument_group("specee (lossy: the output differs from ar's)")
     e.add_argument("--exit-threshold", type=float, default=None, metavar="P",
-                   help="exit when a layer's predictor says more than P (default: 0.9, measured; above 1: never)")
+                   help="exit when a layer's predictor says more than P (default: 0.95, measured; above 1: never)")
     e.add_argument("--predictors", default=None, metavar="PATH",
                    help="exit predictors from jspec train-predictors (default: those shipped for the default model)")
 

@@ -80,13 +80,15 @@ def test_forced_exit_is_first_checked_depths_choice(setup):
         assert r["stats"]["mean_layers"] == EXIT
 
 
-@pytest.mark.parametrize("kv", ["fill", "mask"])
-def test_no_cache_copy_in_the_loop(setup, kv):
+@pytest.mark.parametrize("kv, lookup", [("fill", None), ("mask", None), ("fill", 2)])
+def test_no_cache_copy_in_the_loop(setup, kv, lookup):
     """A layer that runs only while some row is going is two conditionals with the cache write
-    between them, never inside one, where XLA would copy the cache every token (docs/design.md)."""
+    between them, never inside one, where XLA would copy the cache every token (docs/design.md);
+    behind lookup, the copying round's verification is a one-trip loop, not a conditional."""
     model, head, pred, _ = setup
     fresh = Model(model.cfg, model.params)
-    fresh.generate(PROMPTS[:1], method="specee", head=head, predictors=pred, exit_kv=kv, max_new_tokens=NEW)
+    fresh.generate(PROMPTS[:1], method="specee", head=head, predictors=pred, exit_kv=kv, lookup=lookup,
+                   max_new_tokens=NEW)
     ((rows, _, in_loop),) = cache_copies(fresh.cfg, fresh.programs())
     assert rows == 1 and in_loop == 0
 
@@ -115,6 +117,49 @@ def test_exits_match_reference(setup, kv, batch_size=4):
         for d, c in r["stats"]["exit_layers"].items():
             exits[d] = exits.get(d, 0) + c
     assert set(exits) == {"1", "2", "3"}, exits
+
+
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_lookup_first_without_exits_is_ar(setup, batch_size):
+    """Prompt lookup in front: copying rounds verify at full depth, the others are SpecEE's; with
+    exits disabled both are `ar` (at batch 1 rounds of both kinds happen)."""
+    model, head, pred, _ = setup
+    ar = ids(model.generate(PROMPTS, max_new_tokens=NEW, batch_size=batch_size))
+    out = model.generate(PROMPTS, method="specee", head=head, predictors=pred, exit_threshold=1.5, lookup=2,
+                         max_new_tokens=NEW, batch_size=batch_size)
+    assert ids(out) == ar
+    if batch_size == 1:
+        lookups = [r["stats"]["lookup_rounds"] for r in out]
+        assert sum(lookups) > 0 and any(n < r["stats"]["rounds"] - 1 for n, r in zip(lookups, out))
+
+
+def test_lookup_first_matches_reference(setup):
+    """Exits at every depth between copying rounds, against the plain-Python decoder with the
+    same lookup; the cache starts as garbage, as in test_exits_match_reference."""
+    model, head, pred, _ = setup
+    rng = np.random.default_rng(1)
+    shape = (1, 64, model.cfg.num_kv_heads, model.cfg.head_dim)
+    junk = lambda: jnp.asarray(rng.normal(0, 1e3, shape), jnp.float32)
+    model._caches[(1, 64)] = jmodel.KVCache([junk() for _ in range(model.cfg.num_layers)],
+                                            [junk() for _ in range(model.cfg.num_layers)])
+    # One-token repeats: a random model seldom repeats two tokens in a row.
+    out = model.generate(PROMPTS, method="specee", head=head, predictors=pred, exit_threshold=THRESHOLD, lookup=1,
+                         max_new_tokens=2 * NEW)
+    hp, _ = heads.load(head, model.cfg)
+    pp, _ = predictors.load(pred, model.cfg)
+    for prompt, r in zip(PROMPTS, out):
+        exits = {}
+        assert r["token_ids"] == reference(model, hp, pp, THRESHOLD, "fill", prompt["token_ids"], len(r["token_ids"]),
+                                           lookup=1, exits=exits)
+        assert r["stats"]["exit_layers"] == exits  # the head's cache kept up through copying rounds
+    assert all(r["stats"]["lookup_rounds"] > 0 for r in out)
+    assert sum(c for r in out for d, c in r["stats"]["exit_layers"].items() if d != "3") > 0
+
+
+def test_lookup_refuses_mask(setup):
+    model, head, pred, _ = setup
+    with pytest.raises(JspecError, match="--lookup goes with --exit-kv fill"):
+        model.generate(PROMPTS[:1], method="specee", head=head, predictors=pred, exit_kv="mask", lookup=2)
 
 
 def test_mesh_equals_one_device(setup, tiny_llama):
@@ -174,8 +219,11 @@ def test_cli_warns_and_checks(capsys):
 
 # -- the reference: one token at a time, every layer by hand ------------------------------------
 
-def reference(model, hp, pp, threshold, kv_mode, prompt, count):
-    """Greedy SpecEE, batch 1, every depth from EXIT checked; pp None: every token exits at EXIT."""
+def reference(model, hp, pp, threshold, kv_mode, prompt, count, lookup=None, exits=None):
+    """Greedy SpecEE, batch 1, every depth from EXIT checked; pp None: every token exits at EXIT.
+    With `lookup` = n, a position whose last n to 3 tokens occurred before instead verifies what
+    followed their most recent occurrence (up to 4 tokens) at full depth, as plain greedy
+    speculative decoding does. `exits`, if given, gets the tokens decoded per depth ("L": none)."""
     cfg, params = model.cfg, jax.tree.map(np.asarray, model.params)
     hp = jax.tree.map(np.asarray, hp)
     pp = None if pp is None else jax.tree.map(np.asarray, pp)
@@ -189,13 +237,30 @@ def reference(model, hp, pp, threshold, kv_mode, prompt, count):
         _kv(cfg, hp["layers"][0], h, pos, *head_kv)
         h = _run(cfg, layers, h, pos, kv, range(EXIT, cfg.num_layers))
     tok = int(np.argmax(lm @ _norm(h, params["final_norm"], cfg)))
-    for pos in range(len(prompt), len(prompt) + count - 1):
+    pos = len(prompt)
+    while len(out) < count - 1:
         out.append(tok)
+        copied = _repeat(prompt + out, lookup) if lookup else []
+        if copied:  # verify [tok, copied...] at full depth; keep the matching prefix, then the target's token
+            choices = []
+            for i, t in enumerate([tok] + copied):
+                h = _run(cfg, layers, params["embed"][t], pos + i, kv, range(EXIT))
+                _kv(cfg, hp["layers"][0], h, pos + i, *head_kv)
+                h = _run(cfg, layers, h, pos + i, kv, range(EXIT, cfg.num_layers))
+                choices.append(int(np.argmax(lm @ _norm(h, params["final_norm"], cfg))))
+            n = 0
+            while n < len(copied) and copied[n] == choices[n]:
+                n += 1
+            for ks, vs in [*kv, head_kv]:  # entries past the kept tokens are stale
+                del ks[pos + n + 1:], vs[pos + n + 1:]
+            out += copied[:n]
+            tok, pos = choices[n], pos + n + 1
+            continue
         h = _run(cfg, layers, params["embed"][tok], pos, kv, range(EXIT))
         x = _attend(cfg, hp["layers"][0], h, pos, *head_kv)
         sub = lm[hp["vocab"]] @ _norm(x, hp["norm"], cfg)
         cands = hp["vocab"][np.argsort(-sub, kind="stable")[:4]]
-        prev, exited = np.zeros(4), False
+        prev, exited, depth = np.zeros(4), False, cfg.num_layers
         for d in range(EXIT, cfg.num_layers):
             if not exited:
                 logits = lm[cands] @ _norm(h, params["final_norm"], cfg)
@@ -206,14 +271,28 @@ def reference(model, hp, pp, threshold, kv_mode, prompt, count):
                 score = 1.0 if pp is None else 1 / (1 + np.exp(-(np.maximum(x @ pp["w1"][j] + pp["b1"][j], 0)
                                                                  @ pp["w2"][j] + pp["b2"][j])))
                 if score > threshold:
-                    exited, tok = True, int(cands[np.argmax(logits)])
+                    exited, tok, depth = True, int(cands[np.argmax(logits)]), d
             if not exited:
                 h = _run(cfg, layers, h, pos, kv, [d])
             elif kv_mode == "fill":  # the deeper layer's K/V of the exit state; "mask": nothing
                 _kv(cfg, layers[d], h, pos, *kv[d])
         if not exited:
             tok = int(np.argmax(lm @ _norm(h, params["final_norm"], cfg)))
-    return out + [tok]
+        if exits is not None:
+            exits[str(depth)] = exits.get(str(depth), 0) + 1
+        pos += 1
+    return (out + [tok])[:count]
+
+
+def _repeat(seq, shortest, longest=3, most=4):
+    """What followed the most recent earlier occurrence of seq's last n tokens, for the longest n
+    from shortest to longest that occurs; [] if none does."""
+    end, best = len(seq) - 1, None
+    for n in range(shortest, longest + 1):
+        hits = [p for p in range(n - 1, end) if seq[p - n + 1:p + 1] == seq[end - n + 1:end + 1]]
+        if hits:
+            best = hits[-1]
+    return [] if best is None else seq[best + 1:best + 1 + min(end - best, most)]
 
 
 def _norm(x, w, cfg):

@@ -84,6 +84,13 @@ class Drafter:
         return {}
 
 
+def only_if(pred, fn, carry):
+    """fn(carry) if pred else carry, as a while loop of at most one trip rather than lax.cond:
+    XLA copies every buffer a conditional's branch updates (the KV cache here), while a loop
+    updates its carry in place (docs/design.md, "No cache inside a conditional")."""
+    return jax.lax.while_loop(lambda c: c[0], lambda c: (jnp.zeros_like(c[0]), fn(c[1])), (pred, carry))[1]
+
+
 def draft_loop(step, carry, s, controller, sampling: Sampling, key, max_draft: int):
     """Draft up to max_draft tokens one at a time, while any live row's controller says go on.
 

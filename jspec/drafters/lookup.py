@@ -22,7 +22,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jspec.drafters.base import Draft, Drafter
+from jspec.drafters.base import Draft, Drafter, only_if
 from jspec.drafters.ngram import MAX_NGRAM, lookup
 
 
@@ -63,7 +63,7 @@ class Lookup(Drafter):
         use = jnp.all((found > 0) | ~live)
         probs = None if sampling.greedy else jnp.zeros((*copied.shape, cfg.vocab_size), jnp.float32)
         carry = (copied, probs, found, s.cache, s.dstate["inner"], s.cstate)
-        tokens, probs, n, cache, dstate, cstate = _only_if(~use, by_inner, _only_if(use, by_lookup, carry))
+        tokens, probs, n, cache, dstate, cstate = only_if(~use, by_inner, only_if(use, by_lookup, carry))
         dstate = {"inner": dstate, "lookup_rounds": s.dstate["lookup_rounds"] + (use & live)}
         return Draft(tokens, probs, n, cache, dstate, cstate)
 
@@ -78,10 +78,3 @@ class Lookup(Drafter):
 
     def record_stats(self, stats):
         return {**self.inner.record_stats(stats), "lookup_rounds": stats["lookup_rounds"]}
-
-
-def _only_if(pred, fn, carry):
-    """fn(carry) if pred else carry, as a while loop of at most one trip rather than lax.cond:
-    XLA copies every buffer a conditional's branch updates (the KV cache here), while a loop
-    updates its carry in place (docs/design.md, "No cache inside a conditional")."""
-    return jax.lax.while_loop(lambda c: c[0], lambda c: (jnp.zeros_like(c[0]), fn(c[1])), (pred, carry))[1]

@@ -20,6 +20,11 @@ For the token fed at position p:
    between a layer's two conditionals (projection, then the rest), never inside one, where XLA
    would copy it every token.
 
+Behind prompt lookup (`--lookup N`, jspec.drafters.lookup) a round that copies a repeat is a
+plain lossless verification: `feed` runs the copied tokens through layers 0..N-1 and the head's
+cache, and `verify` runs the deep layers from those depth-N states at full depth, so every copied
+token the target keeps is the full model's own (no exit in those rounds).
+
 The exit threshold travels in `dparams` (a traced scalar), so a threshold sweep compiles once.
 The exited row's token is its depth's choice (greedy), or a sample from the exit state's
 full-vocabulary distribution. The schedule: the offline depths (where exits were frequent in
@@ -36,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec import heads, model, predictors
-from jspec.drafters.base import Draft, Drafter
+from jspec.drafters.base import Draft, Drafter, only_if
 
 RECENT = 5  # exit depths remembered per row for the online schedule
 CHOICES = ("candidates", "full")
@@ -57,7 +62,9 @@ class SpecEE(Drafter):
         head_kv = heads.Head().prefill(dparams["head"], cfg, h, packing, cache.length)
         h, cache = model.run_layers(params, cfg, h, packing, cache, range(n, cfg.num_layers))
         dstate = {"head": head_kv,
-                  "hidden": jnp.zeros((b, cfg.hidden_size), jnp.float32),  # [B, D] the emitting state
+                  # [B, 1, D] the emitting state; [B, K+1, D] behind lookup (room), where a copying
+                  # round keeps its fed tokens' depth-N states here
+                  "hidden": jnp.zeros((b, 1, cfg.hidden_size), jnp.float32),
                   "token": jnp.zeros((b,), jnp.int32),  # the exit depth's choice
                   "exited": jnp.zeros((b,), bool),
                   "recent": jnp.full((b, RECENT), -100, jnp.int32),
@@ -112,13 +119,34 @@ class SpecEE(Drafter):
         exits = s.dstate["exits"] + live[:, None] * jax.nn.one_hot(depth, depth_count + 1, dtype=jnp.int32)
         # Finished rows count as exited: their token is dropped anyway, and they must not make
         # the batch pay for the LM head.
-        dstate = {"head": head_kv, "hidden": h[:, 0], "token": token, "exited": (depth < depth_count) | ~live,
-                  "recent": recent, "exits": exits, **({"valid": jnp.stack(valid)} if valid else {})}
+        dstate = {**s.dstate, "head": head_kv, "hidden": s.dstate["hidden"].at[:, 0].set(h[:, 0]), "token": token,
+                  "exited": (depth < depth_count) | ~live, "recent": recent, "exits": exits,
+                  **({"valid": jnp.stack(valid)} if valid else {}), **({"fed": jnp.zeros((), bool)} if "fed" in s.dstate else {})}
         return Draft(jnp.zeros((b, 0), jnp.int32), None, jnp.zeros((b,), jnp.int32), model.KVCache(k, v),
                      dstate, s.cstate)
 
+    def room(self, dstate, max_draft):
+        """Room for a lookup round's K + 1 fed states, and the flag saying the round copied."""
+        hidden = dstate["hidden"]
+        return {**dstate, "hidden": jnp.pad(hidden, ((0, 0), (0, max_draft + 1 - hidden.shape[1]), (0, 0))),
+                "fed": jnp.zeros((), bool)}
+
+    def feed(self, params, dparams, cfg, cache, dstate, tokens, positions):
+        """A copying round: tokens [B, K+1] through layers 0..N-1 and the head's cache; verify then
+        finishes them at full depth. No row exits, so target_logits is the full model's."""
+        h, cache = model.run_layers(params, cfg, model.embed(params, tokens), positions, cache,
+                                    range(self.exit_layer))
+        _, head_kv = heads.block(cfg, dparams["head"], h, positions, dstate["head"])
+        exited = jnp.zeros_like(dstate["exited"])
+        return cache, {**dstate, "head": head_kv, "hidden": h, "exited": exited, "fed": jnp.ones((), bool)}
+
     def verify(self, params, dparams, cfg, tokens, positions, cache, dstate, width):
-        return dstate["hidden"][:, None], cache
+        """The emitting state of SpecEE's own round; after a lookup copy, the deep layers' states."""
+        if "fed" not in dstate:
+            return dstate["hidden"], cache
+        deep = range(self.exit_layer, cfg.num_layers)
+        return only_if(dstate["fed"], lambda c: model.run_layers(params, cfg, c[0], positions, c[1], deep, width),
+                       (dstate["hidden"], cache))
 
     def target_logits(self, params, dparams, cfg, h, dstate, sampling):
         """The exit state's distribution; a greedy exited row's token is its depth's choice, and
@@ -126,6 +154,7 @@ class SpecEE(Drafter):
         if not sampling.greedy:
             return model.logits(params, cfg, h)  # [B, 1, V]
         forced = jnp.where(jnp.arange(cfg.vocab_size) == dstate["token"][:, None], 0.0, -jnp.inf)[:, None]
+        forced = jnp.broadcast_to(forced, (*h.shape[:2], cfg.vocab_size))
         exited = dstate["exited"][:, None, None]
         return jax.lax.cond(jnp.all(exited), lambda: forced,
                             lambda: jnp.where(exited, forced, model.logits(params, cfg, h)))

@@ -66,8 +66,11 @@ def test_sampling_without_exits_is_ar_sampling(setup):
     opts = dict(max_new_tokens=NEW, batch_size=4, temperature=1.0, seed=3)
     ar = ids(model.generate(PROMPTS, **opts))
     assert ids(model.generate(PROMPTS, method="specee", head=head, predictors=pred, exit_threshold=1.5, **opts)) == ar
-    sampled = model.generate(PROMPTS, method="specee", head=head, predictors=pred, exit_threshold=0.0, **opts)
-    assert all(0 <= t < model.cfg.vocab_size for r in sampled for t in r["token_ids"])
+    for lookup in (None, 1):
+        sampled = model.generate(PROMPTS, method="specee", head=head, predictors=pred, exit_threshold=0.0,
+                                 lookup=lookup, **opts)
+        assert all(0 <= t < model.cfg.vocab_size for r in sampled for t in r["token_ids"])
+        assert all(r["new_tokens"] == NEW or r["token_ids"][-1] in model.cfg.eos_token_ids for r in sampled)
 
 
 def test_forced_exit_is_first_checked_depths_choice(setup):
@@ -163,7 +166,8 @@ def test_lookup_refuses_mask(setup):
 
 
 def test_mesh_equals_one_device(setup, tiny_llama):
-    """Row masks, the per-layer conds and the K/V fill sharded over data=2, model=4."""
+    """Row masks, the per-layer conds and the K/V fill sharded over data=2, model=4; behind lookup
+    too, on a model-parallel mesh at batch 1."""
     import jspec
 
     model, head, pred, _ = setup
@@ -171,6 +175,10 @@ def test_mesh_equals_one_device(setup, tiny_llama):
                 batch_size=4)
     sharded = jspec.load(str(tiny_llama.path), mesh="data=2,model=4")
     assert ids(sharded.generate(PROMPTS, **opts)) == ids(model.generate(PROMPTS, **opts))
+    opts.update(batch_size=1, lookup=1)
+    tensor_parallel = jspec.load(str(tiny_llama.path), mesh="data=1,model=4")
+    got = tensor_parallel.generate(PROMPTS, **opts)
+    assert ids(got) == ids(model.generate(PROMPTS, **opts)) and sum(r["stats"]["lookup_rounds"] for r in got) > 0
 
 
 def test_training_lowers_the_loss(setup, tmp_path):

@@ -49,7 +49,10 @@ class Lookup(Drafter):
             inner_s = dataclasses.replace(s, cache=cache, dstate=dstate, cstate=cstate)
             d = self.inner.draft(params, dparams, cfg, inner_s, controller, sampling, key)
             pad = k - d.tokens.shape[1]
-            probs = None if d.probs is None else jnp.pad(d.probs, ((0, 0), (0, pad), (0, 0)))
+            probs = d.probs
+            if probs is None and not sampling.greedy:  # a deterministic proposal (SpecEE's: none): q one-hot
+                probs = jax.nn.one_hot(d.tokens, cfg.vocab_size, dtype=jnp.float32)
+            probs = None if probs is None else jnp.pad(probs, ((0, 0), (0, pad), (0, 0)))
             return jnp.pad(d.tokens, ((0, 0), (0, pad))), probs, d.n, d.cache, d.dstate, d.cstate
 
         def by_lookup(carry):

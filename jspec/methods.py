@@ -178,7 +178,7 @@ def _lookup_first(method: str, drafter, min_ngram: int | None, k: int | None) ->
     if isinstance(drafter, specee.SpecEE) and drafter.kv != "fill":
         # A copying round runs every layer at its positions, which "mask"'s map of missing entries
         # does not follow.
-        raise JspecError("--lookup goes with --exit-kv fill")
+        raise JspecError("--lookup goes with SpecEE's exit_kv='fill' (the default), not 'mask'")
     min_ngram = LOOKUP_MIN_NGRAM if min_ngram is None else min_ngram
     k = max(LOOKUP_MAX_DRAFT, drafter.max_draft) if k is None else k
     if not (isinstance(min_ngram, int) and 1 <= min_ngram <= Lookup.max_ngram):

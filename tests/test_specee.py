@@ -161,7 +161,7 @@ def test_lookup_first_matches_reference(setup):
 
 def test_lookup_refuses_mask(setup):
     model, head, pred, _ = setup
-    with pytest.raises(JspecError, match="--lookup goes with --exit-kv fill"):
+    with pytest.raises(JspecError, match="--lookup goes with SpecEE's exit_kv='fill'"):
         model.generate(PROMPTS[:1], method="specee", head=head, predictors=pred, exit_kv="mask", lookup=2)
 
 

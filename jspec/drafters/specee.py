@@ -120,8 +120,11 @@ class SpecEE(Drafter):
         # Finished rows count as exited: their token is dropped anyway, and they must not make
         # the batch pay for the LM head.
         dstate = {**s.dstate, "head": head_kv, "hidden": s.dstate["hidden"].at[:, 0].set(h[:, 0]), "token": token,
-                  "exited": (depth < depth_count) | ~live, "recent": recent, "exits": exits,
-                  **({"valid": jnp.stack(valid)} if valid else {}), **({"fed": jnp.zeros((), bool)} if "fed" in s.dstate else {})}
+                  "exited": (depth < depth_count) | ~live, "recent": recent, "exits": exits}
+        if valid:
+            dstate["valid"] = jnp.stack(valid)
+        if "fed" in dstate:
+            dstate["fed"] = jnp.zeros((), bool)
         return Draft(jnp.zeros((b, 0), jnp.int32), None, jnp.zeros((b,), jnp.int32), model.KVCache(k, v),
                      dstate, s.cstate)
 
@@ -152,7 +155,7 @@ class SpecEE(Drafter):
         """The exit state's distribution; a greedy exited row's token is its depth's choice, and
         when every row has one the LM head (a fifth of SmolLM2-135M's work per token) is skipped."""
         if not sampling.greedy:
-            return model.logits(params, cfg, h)  # [B, 1, V]
+            return model.logits(params, cfg, h)  # [B, W, V]
         forced = jnp.where(jnp.arange(cfg.vocab_size) == dstate["token"][:, None], 0.0, -jnp.inf)[:, None]
         forced = jnp.broadcast_to(forced, (*h.shape[:2], cfg.vocab_size))
         exited = dstate["exited"][:, None, None]

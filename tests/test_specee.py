@@ -136,6 +136,19 @@ def test_lookup_first_without_exits_is_ar(setup, batch_size):
         assert sum(lookups) > 0 and any(n < r["stats"]["rounds"] - 1 for n, r in zip(lookups, out))
 
 
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_bfloat16_lookup_first_without_exits_is_ar(setup, batch_size):
+    """In bfloat16 (weights only: activations and caches stay float32) the copying rounds'
+    verification and SpecEE's one-token rounds still give ar's tokens."""
+    model, head, pred, _ = setup
+    bf16 = Model(model.cfg, jax.tree.map(lambda x: x.astype(jnp.bfloat16), model.params), name=model.name)
+    ar = ids(bf16.generate(PROMPTS, max_new_tokens=NEW))
+    out = bf16.generate(PROMPTS, method="specee", head=head, predictors=pred, exit_threshold=1.5, lookup=1,
+                        max_new_tokens=NEW, batch_size=batch_size)
+    assert ids(out) == ar
+    assert batch_size > 1 or sum(r["stats"]["lookup_rounds"] for r in out) > 0
+
+
 def test_lookup_first_matches_reference(setup):
     """Exits at every depth between copying rounds, against the plain-Python decoder with the
     same lookup; the cache starts as garbage, as in test_exits_match_reference."""

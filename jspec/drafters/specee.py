@@ -139,7 +139,7 @@ class SpecEE(Drafter):
         finishes them at full depth. No row exits, so target_logits is the full model's."""
         h, cache = model.run_layers(params, cfg, model.embed(params, tokens), positions, cache,
                                     range(self.exit_layer))
-        _, head_kv = heads.block(cfg, dparams["head"], h, positions, dstate["head"])
+        head_kv = heads.Head().advance(dparams["head"], cfg, h, positions, dstate["head"])
         exited = jnp.zeros_like(dstate["exited"])
         return cache, {**dstate, "head": head_kv, "hidden": h, "exited": exited, "fed": jnp.ones((), bool)}
 

@@ -161,22 +161,32 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid:
     if native.takes_attention(q, k, v):
         valid = jnp.ones(k.shape[:2], jnp.bool_) if valid is None else valid
         return _native_attention(q, k, v, q_pos, valid)
+    return _attention(q, k, v, q_pos, valid)[0]
+
+
+def attention_and_lse(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid: jax.Array | None = None):
+    """attention() and the log of each query's softmax denominator [B, T, K, G], which merging it
+    with attention over keys kept elsewhere needs (MJSD's beams: jspec/drafters/beam.py). Not
+    differentiable on the kernel's path."""
+    if native.takes_attention(q, k, v):
+        valid = jnp.ones(k.shape[:2], jnp.bool_) if valid is None else valid
+        return native.attention(q, k, v, q_pos, valid)
     return _attention(q, k, v, q_pos, valid)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
 def _native_attention(q, k, v, q_pos, valid):
-    return native.attention(q, k, v, q_pos, valid)
+    return native.attention(q, k, v, q_pos, valid)[0]
 
 
 @_native_attention.defjvp
 def _native_attention_jvp(q_pos, valid, primals, tangents):
     # XLA cannot differentiate a foreign call: training a draft head differentiates the JAX path.
-    return jax.jvp(lambda q, k, v: _attention(q, k, v, q_pos, valid), primals, tangents)
+    return jax.jvp(lambda q, k, v: _attention(q, k, v, q_pos, valid)[0], primals, tangents)
 
 
-def _attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid: jax.Array | None) -> jax.Array:
-    """attention() in XLA."""
+def _attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid: jax.Array | None):
+    """attention_and_lse() in XLA (a caller that drops the lse leaves XLA nothing of it to compute)."""
     scale = q.shape[-1] ** -0.5
     scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) * scale
     visible = jnp.arange(k.shape[1])[None, None, :] <= q_pos[:, :, None]  # [B, T, S]
@@ -186,7 +196,8 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid
     probs = jax.nn.softmax(scores, axis=-1)
     # Heads-major output, transposed after: XLA's CPU dot writing [B, T, K, G, H] directly
     # took a quarter longer on a long prompt.
-    return jnp.einsum("bkgts,bskh->bkgth", probs, v.astype(jnp.float32)).transpose(0, 3, 1, 2, 4)
+    out = jnp.einsum("bkgts,bskh->bkgth", probs, v.astype(jnp.float32)).transpose(0, 3, 1, 2, 4)
+    return out, jax.nn.logsumexp(scores, axis=-1).transpose(0, 3, 1, 2)
 
 
 def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:

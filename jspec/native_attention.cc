@@ -1,6 +1,8 @@
 // Attention of a few queries per row over jspec's KV cache on a CPU (jspec/native.py calls it
 // through jax.ffi): q [B, T, K, G, H], cache k and v [B, S, K, H] (rows, positions, kv heads,
-// head dim), query (b, t) sees keys j <= pos[b, t] with valid[b, j] set; out [B, T, K, G, H].
+// head dim), query (b, t) sees keys j <= pos[b, t] with valid[b, j] set; out [B, T, K, G, H] and
+// the log of each query's softmax denominator, lse [B, T, K, G] (-inf where it sees no key), with
+// which a caller merges this attention with one over keys kept elsewhere (MJSD's beams).
 //
 // Why not XLA: its dot contracts over (row, kv head) pairs, so XLA:CPU first transposes every
 // layer's whole cache to [B, K, S, H], reading and writing it once more per step; at batch 8
@@ -234,12 +236,14 @@ AVX2 void Chunk(const Shapes& n, const float* q, const float* k, const float* v,
   }
 }
 
-// out = sum_c w_c acc_c / sum_c w_c sum_c with w_c = e^(top_c - top), chunks in order.
-void Combine(const float* partial, int64_t chunks, int64_t h, float* out) {
+// out = sum_c w_c acc_c / sum_c w_c sum_c with w_c = e^(top_c - top), chunks in order;
+// lse = top + log(sum_c w_c sum_c).
+void Combine(const float* partial, int64_t chunks, int64_t h, float* out, float* lse) {
   const int64_t stride = h + 2;
   float top = -std::numeric_limits<float>::infinity();
   for (int64_t c = 0; c < chunks; ++c) top = std::max(top, partial[c * stride]);
   std::fill_n(out, h, 0.0f);
+  *lse = top;
   if (top == -std::numeric_limits<float>::infinity()) return;  // no visible key: zeros
   float sum = 0.0f;
   for (int64_t c = 0; c < chunks; ++c) {
@@ -250,10 +254,12 @@ void Combine(const float* partial, int64_t chunks, int64_t h, float* out) {
     for (int64_t e = 0; e < h; ++e) out[e] += w * p[2 + e];
   }
   for (int64_t e = 0; e < h; ++e) out[e] /= sum;
+  *lse = top + std::log(sum);
 }
 
 ffi::Error Attention(ffi::ThreadPool pool, Queries q, Cache k, Cache v, ffi::Buffer<ffi::S32, 2> pos,
-                     ffi::Buffer<ffi::PRED, 2> valid, float scale, ffi::Result<Queries> out) {
+                     ffi::Buffer<ffi::PRED, 2> valid, float scale, ffi::Result<Queries> out,
+                     ffi::Result<ffi::Buffer<ffi::F32, 4>> lse) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   Shapes n{qd[0], qd[1], qd[2], qd[3], kd[1], qd[4]};
   if (kd[0] != n.b || kd[2] != n.kv || kd[3] != n.h || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] ||
@@ -275,8 +281,8 @@ ffi::Error Attention(ffi::ThreadPool pool, Queries q, Cache k, Cache v, ffi::Buf
     const int64_t t0 = tb * kBlockQueries;
     Chunk(n, qs, ks, vs, ps, valids, scale, partials, chunks, b, t0, std::min(n.t, t0 + kBlockQueries), chunk);
   });
-  float* o = out->typed_data();
-  for (int64_t i = 0; i < queries; ++i) Combine(partials + i * chunks * (n.h + 2), chunks, n.h, o + i * n.h);
+  float *o = out->typed_data(), *l = lse->typed_data();
+  for (int64_t i = 0; i < queries; ++i) Combine(partials + i * chunks * (n.h + 2), chunks, n.h, o + i * n.h, l + i);
   return ffi::Error::Success();
 }
 
@@ -289,7 +295,8 @@ auto Binding() {
       .Arg<ffi::Buffer<ffi::S32, 2>>()
       .Arg<ffi::Buffer<ffi::PRED, 2>>()
       .Attr<float>("scale")
-      .Ret<Queries>();
+      .Ret<Queries>()
+      .Ret<ffi::Buffer<ffi::F32, 4>>();
 }
 
 }  // namespace

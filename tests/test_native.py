@@ -107,29 +107,32 @@ ATTENTION_SHAPES = [(1, 1, 3, 3, 64, 50), (2, 5, 3, 3, 64, 40), (3, 17, 2, 2, 13
 def test_attention_equals_jax(kernel, shape):
     q, k, v, q_pos, valid = attention_inputs(*shape, seed=0)
     for mask in (jnp.ones_like(valid), valid):
-        got = jax.jit(native.attention)(q, k, v, q_pos, mask)
-        want = M._attention(q, k, v, q_pos, mask)
+        got, got_lse = jax.jit(native.attention)(q, k, v, q_pos, mask)
+        want, want_lse = M._attention(q, k, v, q_pos, mask)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+        np.testing.assert_allclose(np.asarray(got_lse), np.asarray(want_lse), atol=1e-5, rtol=1e-6)
 
 
 def test_attention_over_chunks_equals_jax(kernel):
     """A cache of several 128-key chunks, queries seeing some of them: the partial softmaxes combine."""
     q, k, v, _, valid = attention_inputs(2, 3, 2, 2, 16, 300, seed=5)
     q_pos = jnp.asarray([[5, 130, 299], [256, 257, 40]], jnp.int32)
-    got = jax.jit(native.attention)(q, k, v, q_pos, valid)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(M._attention(q, k, v, q_pos, valid)), atol=1e-5, rtol=0)
+    got, got_lse = jax.jit(native.attention)(q, k, v, q_pos, valid)
+    want, want_lse = M._attention(q, k, v, q_pos, valid)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(got_lse), np.asarray(want_lse), atol=1e-5, rtol=1e-6)
 
 
 def test_attention_query_gets_the_same_bits_in_any_call(kernel):
     """A query alone, among the K + 1 of a verification, in a batch, over a longer cache."""
     q, k, v, q_pos, valid = attention_inputs(4, 9, 3, 3, 64, 60, seed=1)
     q_pos = jnp.minimum(q_pos, 40)
-    full = np.asarray(jax.jit(native.attention)(q, k, v, q_pos, valid))
+    full = np.asarray(jax.jit(native.attention)(q, k, v, q_pos, valid)[0])
     for b, t in [(0, 0), (2, 5), (3, 8)]:
         alone = jax.jit(native.attention)(q[b:b + 1, t:t + 1], k[b:b + 1], v[b:b + 1], q_pos[b:b + 1, t:t + 1],
-                                          valid[b:b + 1])
+                                          valid[b:b + 1])[0]
         np.testing.assert_array_equal(np.asarray(alone)[0, 0], full[b, t])
-    shorter = jax.jit(native.attention)(q, k[:, :41], v[:, :41], q_pos, valid[:, :41])
+    shorter = jax.jit(native.attention)(q, k[:, :41], v[:, :41], q_pos, valid[:, :41])[0]
     np.testing.assert_array_equal(np.asarray(shorter), full)
 
 
@@ -137,7 +140,7 @@ def test_attention_gradient_is_the_jax_one(kernel):
     q, k, v, q_pos, valid = attention_inputs(2, 3, 2, 2, 8, 12, seed=2)
     loss = lambda f: lambda q, k, v: jnp.sum(jnp.tanh(f(q, k, v, q_pos, valid)))
     got = jax.grad(loss(M.attention), argnums=(0, 1, 2))(q, k, v)
-    want = jax.grad(loss(M._attention), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(loss(lambda *a: M._attention(*a)[0]), argnums=(0, 1, 2))(q, k, v)
     for g, e in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(e), atol=1e-5)
 

@@ -49,17 +49,17 @@ class Stack:
 
 def _attend(q, pk, pv, length, bk, bv, j):
     """q [B, W, KV, G, H] over the prefix pk, pv [B, S, KV, H] (positions < length [B]) and each
-    beam's own entries bk, bv [B, W, K, KV, H] (slots <= j)."""
-    low = jnp.finfo(jnp.float32).min
-    scale = q.shape[-1] ** -0.5
-    sp = jnp.einsum("bwkgh,bskh->bkgws", q, pk, preferred_element_type=jnp.float32) * scale
-    sp = jnp.where((jnp.arange(pk.shape[1])[None, :] < length[:, None])[:, None, None, None], sp, low)
-    sb = jnp.einsum("bwkgh,bwtkh->bkgwt", q, bk, preferred_element_type=jnp.float32) * scale
-    sb = jnp.where(jnp.arange(bk.shape[2]) <= j, sb, low)
-    probs = jax.nn.softmax(jnp.concatenate([sp, sb], axis=-1), axis=-1)
-    s = pk.shape[1]
-    out = jnp.einsum("bkgws,bskh->bwkgh", probs[..., :s], pv.astype(jnp.float32))
-    return out + jnp.einsum("bkgwt,bwtkh->bwkgh", probs[..., s:], bv)
+    beam's own entries bk, bv [B, W, K, KV, H] (slots <= j): the two softmaxes merged by their
+    denominators, so the prefix goes through model.attention_and_lse (the CPU kernel, which reads
+    only up to length, where XLA would transpose the whole cache at every step)."""
+    b, w = q.shape[:2]
+    out_p, lse_p = model.attention_and_lse(q, pk, pv, jnp.broadcast_to((length - 1)[:, None], (b, w)))
+    sb = jnp.einsum("bwkgh,bwtkh->bwkgt", q, bk, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
+    sb = jnp.where(jnp.arange(bk.shape[2]) <= j, sb, -jnp.inf)
+    lse_b = jax.nn.logsumexp(sb, axis=-1)  # [B, W, KV, G]
+    out_b = jnp.einsum("bwkgt,bwtkh->bwkgh", jnp.exp(sb - lse_b[..., None]), bv.astype(jnp.float32))
+    lse = jnp.logaddexp(lse_p, lse_b)[..., None]
+    return out_p * jnp.exp(lse_p[..., None] - lse) + out_b * jnp.exp(lse_b[..., None] - lse)
 
 
 def beam_layer(cfg: ModelConfig, lp, h, cos, sin, pk, pv, length, bk, bv, j):
@@ -112,7 +112,6 @@ def beam_search(stack: Stack, last, length, width: int, k: int, sampling: Sampli
     (tokens [B, K], log q [B, K], exit states [B, K, D] of slots 0..K-1, entries (k, v) [B, K, KV, H]
     per layer)."""
     b = last.shape[0]
-    low = -jnp.inf
     d = stack.cfg.hidden_size
 
     def body(j, st):
@@ -124,11 +123,11 @@ def beam_search(stack: Stack, last, length, width: int, k: int, sampling: Sampli
             lq = jax.nn.log_softmax(logits, axis=-1)  # [B, W, V]
         else:
             lq = jnp.log(probabilities(logits, sampling))
-        joint = score[:, :, None] + lq  # [B, W, V]
+        joint = score[:, :, None] + lq  # [B, W_in, V]
         rank = joint if sampling.greedy else joint + jax.random.gumbel(sub, joint.shape)
-        # The W best of W x V are among each beam's own W best: two small top-k, not one over W x V.
-        rank_w, tok_w = jax.lax.top_k(rank, width)  # [B, W, W]
-        _, pick = jax.lax.top_k(rank_w.reshape(b, -1), width)  # [B, W] into the W x W
+        # The W best of W_in x V are among each beam's own W best: two small top-k, not one over W_in x V.
+        rank_w, tok_w = jax.lax.top_k(rank, width)  # [B, W_in, W]
+        _, pick = jax.lax.top_k(rank_w.reshape(b, -1), width)  # [B, W] into the W_in x W
         parent = pick // width
         tok = jnp.take_along_axis(tok_w.reshape(b, -1), pick, axis=1).astype(jnp.int32)
         flat = parent * lq.shape[-1] + tok
@@ -140,12 +139,10 @@ def beam_search(stack: Stack, last, length, width: int, k: int, sampling: Sampli
         entries = [(_by_beam(bk, parent), _by_beam(bv, parent)) for bk, bv in entries]
         return tok, score, tokens, logq, exits, entries, key
 
-    # Every beam starts as `last`; only beam 0 counts, so step 0 expands one beam into W.
-    start = (jnp.broadcast_to(last[:, None], (b, width)),
-             jnp.where(jnp.arange(width) == 0, 0.0, low)[None, :].repeat(b, 0),
-             jnp.zeros((b, width, k), jnp.int32), jnp.zeros((b, width, k), jnp.float32),
-             jnp.zeros((b, width, k, d), jnp.float32), empty_entries(stack, b, width, k), key)
-    _, score, tokens, logq, exits, entries, _ = jax.lax.fori_loop(0, k, body, start)
+    # Step 0 expands the one beam `last` into W: one row through the stack, not W equal ones.
+    start = (last[:, None], jnp.zeros((b, 1)), jnp.zeros((b, 1, k), jnp.int32), jnp.zeros((b, 1, k), jnp.float32),
+             jnp.zeros((b, 1, k, d), jnp.float32), empty_entries(stack, b, 1, k), key)
+    _, score, tokens, logq, exits, entries, _ = jax.lax.fori_loop(1, k, body, body(0, start))
     best = jnp.argmax(score, axis=1)
     return (_by_beam(tokens, best), _by_beam(logq, best), _by_beam(exits, best),
             [(_by_beam(bk, best), _by_beam(bv, best)) for bk, bv in entries])

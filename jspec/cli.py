@@ -110,7 +110,8 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     d.add_argument("--lookup", type=int, default=None, metavar="N",
                    help="draft, early-exit, eesd, kangaroo, knn-ssd, layer-skip, specee: copy what followed an "
                         "earlier repeat of the last N tokens (1-3) instead of drafting (specee: instead of exiting "
-                        "early), when there is one (above batch 1: when every row has one; default: off)")
+                        "early), when there is one (above batch 1: when every row has one; default: off); "
+                        "ngram: the shortest repeat it copies (default: 2)")
     d.add_argument("--lookup-draft", type=int, default=None, metavar="K",
                    help="with --lookup: most tokens copied per round (default: 4, at least --max-draft)")
     m = p.add_argument_group("mjsd (lossy: the output differs from ar's)")

@@ -73,6 +73,8 @@ def default_max_draft(method: str) -> int:
         return MJSD_MAX_DRAFT
     if method == "knn-ssd":
         return KNN_MAX_DRAFT
+    if method == "ngram":  # as prompt lookup in front of a drafter (docs/benchmarks.md, "n-gram defaults")
+        return LOOKUP_MAX_DRAFT if jax.default_backend() == "cpu" else MAX_DRAFT
     return MAX_DRAFT
 
 
@@ -108,6 +110,11 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
           exit_kv: str | None = None, knn: str | None = None, domain: str | None = None,
           lookup: int | None = None, lookup_draft: int | None = None):
     """(drafter, drafter params, controller) for `method` on `model` (a jspec.api.Model)."""
+    if method == "ngram" and lookup_draft is None:  # n-gram drafting is lookup: --lookup is its shortest repeat
+        ngram = LOOKUP_MIN_NGRAM if lookup is None else lookup
+        if not (isinstance(ngram, int) and 1 <= ngram <= NGram.max_ngram):
+            raise JspecError(f"--lookup (the shortest repeat that is copied) must be 1 to {NGram.max_ngram}, got {ngram}")
+        lookup = None
     if lookup is not None or lookup_draft is not None:
         options = {k: v for k, v in locals().items() if k not in ("method", "model", "lookup", "lookup_draft")}
         drafter, dparams, ctrl = build(method, model, **options)
@@ -137,7 +144,7 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
     if method == "ar":
         return NoDraft(), (), ctrl
     if method == "ngram":
-        return NGram(max_draft=k), (), ctrl
+        return NGram(max_draft=k, min_ngram=ngram), (), ctrl
     if (knn is not None or domain is not None) and method != "knn-ssd":
         raise JspecError("--knn and --domain go with --method knn-ssd")
     if method == "knn-ssd":

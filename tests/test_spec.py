@@ -333,6 +333,28 @@ def test_lookup_first_equals_ar(spec, drafter):
             assert sum(lookups) > 0 and any(n < r["stats"]["rounds"] - 1 for n, r in zip(lookups, records))
 
 
+def test_ngram_copies_repeats_of_at_least_lookup_tokens(spec):
+    """`ngram`'s --lookup N is the shortest repeat it copies (default 2): the last token alone
+    recurring proposes nothing at N = 2 and what followed it at N = 1; both are lossless."""
+    from jspec.drafters.ngram import lookup
+    from jspec.errors import JspecError
+
+    seq = jnp.array([[5, 9, 3, 5, 0, 0]])
+    for n, want in ((1, 3), (2, 0)):  # at N = 1 it copies 9, 3, 5 after the earlier 5
+        tokens, found = lookup(seq, jnp.array([3]), 4, n, 3)
+        assert int(found[0]) == want and (want == 0 or tokens[0, :3].tolist() == [9, 3, 5])
+    assert methods.build("ngram", spec.target)[0].min_ngram == methods.LOOKUP_MIN_NGRAM == 2
+    drafted = {}
+    for n in (1, 2):
+        records = spec.target.generate(spec.prompts, method="ngram", lookup=n, max_draft=K, max_new_tokens=NEW)
+        check_lossless(spec, records)
+        drafted[n] = sum(r["stats"]["drafted"] for r in records)
+    assert drafted[1] > drafted[2] > 0
+    for bad in (dict(lookup=0), dict(lookup=4), dict(lookup_draft=4)):
+        with pytest.raises(JspecError, match="--lookup"):
+            methods.build("ngram", spec.target, **bad)
+
+
 @pytest.mark.parametrize("options", [dict(method="eesd", max_draft=K), dict(method="eesd", max_draft=2, lookup=2)],
                          ids=["widths", "lookup"])
 def test_no_cache_copy_in_the_loop(spec, options):
@@ -534,7 +556,7 @@ def assert_sampled_from(counts, probs, what):
 SAMPLED = {
     "ar": dict(method="ar"),
     "early-exit": dict(method="early-exit", exit_layer=2, max_draft=3),  # confidence controller
-    "ngram": dict(method="ngram", max_draft=3),
+    "ngram": dict(method="ngram", max_draft=3, lookup=1),  # 3 new tokens: a 2-token repeat would be rare
     "layer-skip": dict(method="layer-skip", skip_layers=(1,), max_draft=3, controller="thompson"),
     "draft": dict(method="draft", max_draft=3, controller="heuristic"),
     # temperature, top-k and top-p: target and draft distributions both filtered
@@ -565,7 +587,8 @@ def test_sampling_matches_target_distribution(small, small_heads, method):
         sampling = Sampling(opts["temperature"], opts.get("top_k", 0), opts.get("top_p", 1.0))
         exact = exact_marginals(small.target.cfg, small.target.params, SPROMPT, sampling)
         assert (exact[0] == 0).sum() >= SV - 6  # the filters do cut tokens
-    samples, rows = (LOOKUP_SAMPLES, 1) if "lookup" in opts else (SAMPLES, SAMPLE_ROWS)
+    copies_first = "lookup" in opts and opts["method"] != "ngram"  # prompt lookup in front of a drafter
+    samples, rows = (LOOKUP_SAMPLES, 1) if copies_first else (SAMPLES, SAMPLE_ROWS)
     records = small.target.generate([{"token_ids": SPROMPT}] * samples, max_new_tokens=3, batch_size=rows,
                                     seed=17, **opts)
     out = np.array(ids(records))
@@ -579,6 +602,6 @@ def test_sampling_matches_target_distribution(small, small_heads, method):
         drafted = sum(r["stats"]["drafted"] for r in records)
         accepted = sum(r["stats"]["accepted"] for r in records)
         assert 200 * samples / SAMPLES < accepted < 0.95 * drafted, (accepted, drafted)
-    if "lookup" in opts:  # every round after the prefill copied
+    if copies_first:  # every round after the prefill copied
         assert sum(r["stats"]["lookup_rounds"] for r in records) == sum(r["stats"]["rounds"] - 1 for r in records)
     check_stats(records, opts.get("max_draft", 0))

@@ -1,6 +1,7 @@
 """Prompt lookup (n-gram) drafting: no model. Find the most recent earlier occurrence of the
-last n tokens (n = max_ngram down to 1) in the prompt and the text so far, and propose the
-tokens that followed it. The proposal is deterministic, so sampled acceptance treats q as
+last n tokens (n = max_ngram down to min_ngram, 2 by default: a single recurring token was copied
+more often wrongly than rightly) in the prompt and the text so far, and propose the tokens that
+followed it; a round without such a repeat drafts nothing. The proposal is deterministic, so sampled acceptance treats q as
 one-hot on the proposed token."""
 
 from __future__ import annotations
@@ -37,11 +38,12 @@ def lookup(seq: jax.Array, end: jax.Array, max_draft: int, min_ngram: int, max_n
 @dataclasses.dataclass(frozen=True)
 class NGram(Drafter):
     max_draft: int = 8
+    min_ngram: int = 2
     max_ngram: int = MAX_NGRAM
 
     def draft(self, params, dparams, cfg, s, controller, sampling, key):
         b = s.seq.shape[0]
-        tokens, n_found = lookup(s.seq, s.length, self.max_draft, 1, self.max_ngram)
+        tokens, n_found = lookup(s.seq, s.length, self.max_draft, self.min_ngram, self.max_ngram)
         cap = jnp.full((b,), self.max_draft, jnp.int32)
         cstate = s.cstate
         ones = jnp.ones((b,), jnp.float32)

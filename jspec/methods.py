@@ -24,7 +24,7 @@ from jspec.drafters.knn_ssd import KnnSsd
 from jspec.drafters.layer_skip import LayerSkip
 from jspec.drafters.lookup import Lookup
 from jspec.drafters import specee
-from jspec.drafters.ngram import NGram
+from jspec.drafters.ngram import MAX_NGRAM, NGram
 from jspec.drafters.none import NoDraft
 from jspec.errors import JspecError
 
@@ -111,10 +111,7 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
           lookup: int | None = None, lookup_draft: int | None = None):
     """(drafter, drafter params, controller) for `method` on `model` (a jspec.api.Model)."""
     if method == "ngram" and lookup_draft is None:  # n-gram drafting is lookup: --lookup is its shortest repeat
-        ngram = LOOKUP_MIN_NGRAM if lookup is None else lookup
-        if not (isinstance(ngram, int) and 1 <= ngram <= NGram.max_ngram):
-            raise JspecError(f"--lookup (the shortest repeat that is copied) must be 1 to {NGram.max_ngram}, got {ngram}")
-        lookup = None
+        ngram, lookup = _shortest_repeat(lookup), None
     if lookup is not None or lookup_draft is not None:
         options = {k: v for k, v in locals().items() if k not in ("method", "model", "lookup", "lookup_draft")}
         drafter, dparams, ctrl = build(method, model, **options)
@@ -186,14 +183,19 @@ def _lookup_first(method: str, drafter, min_ngram: int | None, k: int | None) ->
         # A copying round runs every layer at its positions, which "mask"'s map of missing entries
         # does not follow.
         raise JspecError("--lookup goes with SpecEE's exit_kv='fill' (the default), not 'mask'")
-    min_ngram = LOOKUP_MIN_NGRAM if min_ngram is None else min_ngram
+    min_ngram = _shortest_repeat(min_ngram)
     k = max(LOOKUP_MAX_DRAFT, drafter.max_draft) if k is None else k
-    if not (isinstance(min_ngram, int) and 1 <= min_ngram <= Lookup.max_ngram):
-        raise JspecError(f"--lookup (the shortest repeat that is copied) must be 1 to {Lookup.max_ngram}, "
-                         f"got {min_ngram}")
     if not (isinstance(k, int) and drafter.max_draft <= k <= 64):
         raise JspecError(f"--lookup-draft must be between --max-draft ({drafter.max_draft}) and 64, got {k}")
     return Lookup(inner=drafter, max_draft=k, min_ngram=min_ngram)
+
+
+def _shortest_repeat(n: int | None) -> int:
+    """--lookup: the shortest repeat prompt lookup copies (ngram's, or in front of a drafter)."""
+    n = LOOKUP_MIN_NGRAM if n is None else n
+    if not (isinstance(n, int) and 1 <= n <= MAX_NGRAM):
+        raise JspecError(f"--lookup (the shortest repeat that is copied) must be 1 to {MAX_NGRAM}, got {n}")
+    return n
 
 
 def _mjsd(model, k, exit_layer, draft_model, head, beam_width, accept_threshold):

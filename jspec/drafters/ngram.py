@@ -1,8 +1,8 @@
 """Prompt lookup (n-gram) drafting: no model. Find the most recent earlier occurrence of the
 last n tokens (n = max_ngram down to min_ngram, 2 by default: a single recurring token was copied
 more often wrongly than rightly) in the prompt and the text so far, and propose the tokens that
-followed it; a round without such a repeat drafts nothing. The proposal is deterministic, so sampled acceptance treats q as
-one-hot on the proposed token."""
+followed it; a round without such a repeat drafts nothing. The proposal is deterministic, so
+sampled acceptance treats q as one-hot on the proposed token."""
 
 from __future__ import annotations
 

@@ -57,7 +57,7 @@ def _attend(q, pk, pv, length, bk, bv, j):
     sb = jnp.einsum("bwkgh,bwtkh->bwkgt", q, bk, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
     sb = jnp.where(jnp.arange(bk.shape[2]) <= j, sb, -jnp.inf)
     lse_b = jax.nn.logsumexp(sb, axis=-1)  # [B, W, KV, G]
-    out_b = jnp.einsum("bwkgt,bwtkh->bwkgh", jnp.exp(sb - lse_b[..., None]), bv.astype(jnp.float32))
+    out_b = jnp.einsum("bwkgt,bwtkh->bwkgh", jnp.exp(sb - lse_b[..., None]), bv)
     lse = jnp.logaddexp(lse_p, lse_b)[..., None]
     return out_p * jnp.exp(lse_p[..., None] - lse) + out_b * jnp.exp(lse_b[..., None] - lse)
 

@@ -36,6 +36,11 @@ RULES: dict[str, tuple[str | None, ...]] = {
     # (M int32s, 32 KiB for 8,192 tokens).
     "norm": (None,),
     "vocab": (None,),
+    # KNN-SSD's folder (jspec.knn): anchors [N, D], anchor_domain [N], skip [M, 2, L]. Replicated:
+    # every row's lookup and skip mask may index any of them.
+    "anchors": (None, None),
+    "anchor_domain": (None,),
+    "skip": (None, None, None),
 }
 # KV cache per layer [B, S, K, H]: rows over data, kv heads over model.
 CACHE_RULE = ("data", None, "model", None)

@@ -215,3 +215,32 @@ def test_default_model_uses_shipped_folder(default_model):
     records = default_model.generate(prompts, method="knn-ssd", max_new_tokens=16)
     assert ids(records) == ids(ar)
     assert all(r["stats"]["domain"] in names for r in records)
+
+
+def test_mesh_equals_one_device(setup):
+    """Per-row skip masks and the anchor lookup on a data=2, model=4 mesh at batch 4 (rows choosing
+    different sets) and on a model-parallel mesh at batch 1 (the sublayers under lax.cond)."""
+    from jspec import sharding
+
+    m = setup.target
+    for mesh, batch in (("data=2,model=4", 4), ("data=1,model=4", 1)):
+        devices = sharding.make_mesh(mesh)
+        params = jax.device_put(m.params, sharding.param_shardings(m.params, devices))
+        sharded = Model(m.cfg, params, mesh=devices, name="knn-target")
+        records = sharded.generate(setup.prompts, method="knn-ssd", knn=setup.folder, max_new_tokens=NEW,
+                                   batch_size=batch)
+        assert ids(records) == setup.ar
+        assert [r["stats"]["domain"] for r in records] == [SETS[c].name for c in CHOICE]
+
+
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_bfloat16_greedy_equals_ar(setup, batch_size):
+    """The same target in bfloat16 against its own ar: masked sublayers and the anchor lookup
+    round no activation or cache entry that ar does not."""
+    m = setup.target
+    bf16 = Model(m.cfg, jax.tree.map(lambda x: x.astype(jnp.bfloat16), m.params), name="knn-target-bf16")
+    ar = ids(bf16.generate(setup.prompts, max_new_tokens=NEW))
+    records = bf16.generate(setup.prompts, method="knn-ssd", knn=setup.folder, max_new_tokens=NEW,
+                            batch_size=batch_size)
+    assert ids(records) == ar
+    assert sum(r["stats"]["accepted"] for r in records) >= 4

@@ -145,6 +145,19 @@ class Tiny:
         return Model(cfg, self.params, tokenizer=None, name="tiny")
 
 
+def on_mesh(model, mesh: str):
+    """An in-memory jspec Model with its parameters placed on `mesh` ('data=2,model=4') by
+    jspec's rules, as jspec.load(path, mesh=...) places a converted one."""
+    import jax
+
+    from jspec import sharding
+    from jspec.api import Model
+
+    devices = sharding.make_mesh(mesh)
+    params = jax.device_put(model.params, sharding.param_shardings(model.params, devices))
+    return Model(model.cfg, params, mesh=devices, name=model.name)
+
+
 @pytest.fixture
 def use_native(monkeypatch):
     """use_native(on): switch jspec's native kernels on or off for the rest of the test. The choice

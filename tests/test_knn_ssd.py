@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import on_mesh
 from jspec import heads, knn, methods, skip_search
 from jspec import model as jmodel
 from jspec.api import Model
@@ -220,14 +221,8 @@ def test_default_model_uses_shipped_folder(default_model):
 def test_mesh_equals_one_device(setup):
     """Per-row skip masks and the anchor lookup on a data=2, model=4 mesh at batch 4 (rows choosing
     different sets) and on a model-parallel mesh at batch 1 (the sublayers under lax.cond)."""
-    from jspec import sharding
-
-    m = setup.target
     for mesh, batch in (("data=2,model=4", 4), ("data=1,model=4", 1)):
-        devices = sharding.make_mesh(mesh)
-        params = jax.device_put(m.params, sharding.param_shardings(m.params, devices))
-        sharded = Model(m.cfg, params, mesh=devices, name="knn-target")
-        records = sharded.generate(setup.prompts, method="knn-ssd", knn=setup.folder, max_new_tokens=NEW,
+        records = on_mesh(setup.target, mesh).generate(setup.prompts, method="knn-ssd", knn=setup.folder, max_new_tokens=NEW,
                                    batch_size=batch)
         assert ids(records) == setup.ar
         assert [r["stats"]["domain"] for r in records] == [SETS[c].name for c in CHOICE]

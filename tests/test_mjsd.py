@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import hf_logits
+from conftest import hf_logits, on_mesh
 from jspec import acceptance, api, heads, methods
 from jspec.api import Model
 from jspec.drafters.beam import Beam, beam_step, empty_entries
@@ -163,15 +163,10 @@ def test_batch_rows_equal_batch_one(small, head_path, drafter):
 def test_mesh_equals_one_device(small, head_path):
     """Beams of the head on a data=2, model=4 mesh at batch 3 and a model-parallel one at batch 1
     (the prefix attention through the kernel, the beams' entries reordered across shards)."""
-    from jspec import sharding
-
     model, _ = small
     opts = dict(method="mjsd", head=head_path, max_new_tokens=16)
     for mesh, batch in (("data=2,model=4", 3), ("data=1,model=4", 1)):
-        m = sharding.make_mesh(mesh)
-        params = jax.device_put(model.params, sharding.param_shardings(model.params, m))
-        sharded = Model(model.cfg, params, mesh=m, name="small")
-        assert _ids(sharded.generate(PROMPTS, batch_size=batch, **opts)) == _ids(model.generate(PROMPTS, **opts))
+        assert _ids(on_mesh(model, mesh).generate(PROMPTS, batch_size=batch, **opts)) == _ids(model.generate(PROMPTS, **opts))
 
 
 def test_beams_never_read_each_others_entries(small, head_path):

@@ -158,6 +158,16 @@ def on_mesh(model, mesh: str):
     return Model(model.cfg, params, mesh=devices, name=model.name)
 
 
+def in_bfloat16(model):
+    """The same jspec Model with its parameters rounded to bfloat16 (what `--dtype bfloat16` keeps)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jspec.api import Model
+
+    return Model(model.cfg, jax.tree.map(lambda x: x.astype(jnp.bfloat16), model.params), name=model.name)
+
+
 @pytest.fixture
 def use_native(monkeypatch):
     """use_native(on): switch jspec's native kernels on or off for the rest of the test. The choice

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import on_mesh
+from conftest import in_bfloat16, on_mesh
 from jspec import heads, knn, methods, skip_search
 from jspec import model as jmodel
 from jspec.api import Model
@@ -222,8 +222,8 @@ def test_mesh_equals_one_device(setup):
     """Per-row skip masks and the anchor lookup on a data=2, model=4 mesh at batch 4 (rows choosing
     different sets) and on a model-parallel mesh at batch 1 (the sublayers under lax.cond)."""
     for mesh, batch in (("data=2,model=4", 4), ("data=1,model=4", 1)):
-        records = on_mesh(setup.target, mesh).generate(setup.prompts, method="knn-ssd", knn=setup.folder, max_new_tokens=NEW,
-                                   batch_size=batch)
+        records = on_mesh(setup.target, mesh).generate(setup.prompts, method="knn-ssd", knn=setup.folder,
+                                                       max_new_tokens=NEW, batch_size=batch)
         assert ids(records) == setup.ar
         assert [r["stats"]["domain"] for r in records] == [SETS[c].name for c in CHOICE]
 
@@ -232,8 +232,7 @@ def test_mesh_equals_one_device(setup):
 def test_bfloat16_greedy_equals_ar(setup, batch_size):
     """The same target in bfloat16 against its own ar: masked sublayers and the anchor lookup
     round no activation or cache entry that ar does not."""
-    m = setup.target
-    bf16 = Model(m.cfg, jax.tree.map(lambda x: x.astype(jnp.bfloat16), m.params), name="knn-target-bf16")
+    bf16 = in_bfloat16(setup.target)
     ar = ids(bf16.generate(setup.prompts, max_new_tokens=NEW))
     records = bf16.generate(setup.prompts, method="knn-ssd", knn=setup.folder, max_new_tokens=NEW,
                             batch_size=batch_size)

@@ -166,7 +166,8 @@ def test_mesh_equals_one_device(small, head_path):
     model, _ = small
     opts = dict(method="mjsd", head=head_path, max_new_tokens=16)
     for mesh, batch in (("data=2,model=4", 3), ("data=1,model=4", 1)):
-        assert _ids(on_mesh(model, mesh).generate(PROMPTS, batch_size=batch, **opts)) == _ids(model.generate(PROMPTS, **opts))
+        sharded = on_mesh(model, mesh)
+        assert _ids(sharded.generate(PROMPTS, batch_size=batch, **opts)) == _ids(model.generate(PROMPTS, **opts))
 
 
 def test_beams_never_read_each_others_entries(small, head_path):

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from conftest import save_source, tiny_hf_model
+from conftest import in_bfloat16, save_source, tiny_hf_model
 from jspec import heads, methods
 from jspec import model as jmodel
 from jspec.api import Model
@@ -259,10 +259,9 @@ def spec_bf16(spec) -> Spec:
     Were any activation or cache entry rounded to bfloat16, a forward whose rows got numbers
     that depend on the forward's other rows (K + 1 verified positions, a batch) would part from
     ar at near-ties."""
-    cast = lambda m: Model(m.cfg, jax.tree.map(lambda x: x.astype(jnp.bfloat16), m.params), name=m.name)
-    target = cast(spec.target)
+    target = in_bfloat16(spec.target)
     ar = ids(target.generate(spec.prompts, max_new_tokens=NEW))
-    return dataclasses.replace(spec, target=target, draft=cast(spec.draft), free=None, ar=ar)
+    return dataclasses.replace(spec, target=target, draft=in_bfloat16(spec.draft), free=None, ar=ar)
 
 
 def test_bfloat16_ar_batch8_equals_batch1(spec_bf16):

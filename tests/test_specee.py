@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import in_bfloat16
 from jspec import heads, predictors
 from jspec import model as jmodel
 from jspec.api import Model
@@ -141,7 +142,7 @@ def test_bfloat16_lookup_first_without_exits_is_ar(setup, batch_size):
     """In bfloat16 (weights only: activations and caches stay float32) the copying rounds'
     verification and SpecEE's one-token rounds still give ar's tokens."""
     model, head, pred, _ = setup
-    bf16 = Model(model.cfg, jax.tree.map(lambda x: x.astype(jnp.bfloat16), model.params), name=model.name)
+    bf16 = in_bfloat16(model)
     ar = ids(bf16.generate(PROMPTS, max_new_tokens=NEW))
     out = bf16.generate(PROMPTS, method="specee", head=head, predictors=pred, exit_threshold=1.5, lookup=1,
                         max_new_tokens=NEW, batch_size=batch_size)

@@ -114,6 +114,10 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
                         "ngram: the shortest repeat it copies (default: 2)")
     d.add_argument("--lookup-draft", type=int, default=None, metavar="K",
                    help="with --lookup: most tokens copied per round (default: 4, at least --max-draft)")
+    d.add_argument("--datastore", default=None, metavar="PATH",
+                   help="ngram, --lookup: where the text has no repeat, copy what the model itself wrote after "
+                        "the same 2-3 tokens, from a table of jspec build-datastore (default: the one shipped "
+                        "for the default model; 'off': none)")
     m = p.add_argument_group("mjsd (lossy: the output differs from ar's)")
     m.add_argument("--beam-width", type=int, default=None, metavar="W",
                    help="beams drafted per round (default: 4)")
@@ -170,7 +174,8 @@ def generation_options(args: argparse.Namespace) -> dict:
               "exit_layer": args.exit_layer, "skip_layers": skip, "draft_model": args.draft_model,
               "head": args.head, "beam_width": args.beam_width, "accept_threshold": args.accept_threshold,
               "exit_threshold": args.exit_threshold, "predictors": args.predictors, "knn": args.knn,
-              "domain": args.domain, "lookup": args.lookup, "lookup_draft": args.lookup_draft}
+              "domain": args.domain, "lookup": args.lookup, "lookup_draft": args.lookup_draft,
+              "datastore": args.datastore}
     return dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, temperature=args.temperature,
                 top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                 **{k: v for k, v in method.items() if v is not None})
@@ -722,6 +727,11 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     _add_module_command(sub, "search-skip", "jspec.skip_search", "search a domain's sublayer skip set (knn-ssd)",
                         "Bayesian optimisation (Optuna) of which attention and MLP sublayers a layer-skip draft "
                         "leaves out, by measured tokens/s on a few of the domain's prompts; resumable.")
+    _add_module_command(sub, "build-datastore", "jspec.datastore",
+                        "tabulate what the model writes after 2-3 tokens, for ngram and --lookup",
+                        "From the model's own answers (jspec distill-data folders), keep for each bigram and "
+                        "trigram the token it wrote next most often, where that is clear enough, in a table that "
+                        "prompt lookup falls back on (--datastore).")
     _add_module_command(sub, "fit-knn", "jspec.knn_fit", "fit knn-ssd anchors and gather the skip sets",
                         "Compute prompt features of each domain's prompts, keep k-means centres as anchors and "
                         "write them with the searched skip sets into one folder for --method knn-ssd.")

@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jspec import heads, knn as knn_folder, sharding
+from jspec import datastore as datastore_io, heads, knn as knn_folder, sharding
 from jspec import predictors as predictors_io
 from jspec.controllers import make_controller
 from jspec.drafters.beam import Beam
@@ -108,14 +108,18 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
           beam_width: int | None = None, accept_threshold: float | None = None,
           exit_threshold: float | None = None, predictors: str | None = None, exit_choice: str | None = None,
           exit_kv: str | None = None, knn: str | None = None, domain: str | None = None,
-          lookup: int | None = None, lookup_draft: int | None = None):
+          lookup: int | None = None, lookup_draft: int | None = None, datastore: str | None = None):
     """(drafter, drafter params, controller) for `method` on `model` (a jspec.api.Model)."""
     if method == "ngram" and lookup_draft is None:  # n-gram drafting is lookup: --lookup is its shortest repeat
         ngram, lookup = _shortest_repeat(lookup), None
     if lookup is not None or lookup_draft is not None:
-        options = {k: v for k, v in locals().items() if k not in ("method", "model", "lookup", "lookup_draft")}
+        options = {k: v for k, v in locals().items()
+                   if k not in ("method", "model", "lookup", "lookup_draft", "datastore")}
         drafter, dparams, ctrl = build(method, model, **options)
-        return _lookup_first(method, drafter, lookup, lookup_draft), dparams, ctrl
+        lookup_first = _lookup_first(method, drafter, lookup, lookup_draft)
+        return lookup_first, {"inner": dparams, "table": _load_datastore(model, datastore)}, ctrl
+    if datastore is not None and method != "ngram":
+        raise JspecError("--datastore goes with --method ngram or with --lookup")
     if method not in METHODS:
         raise JspecError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if method != "mjsd" and (beam_width is not None or accept_threshold is not None):
@@ -141,7 +145,7 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
     if method == "ar":
         return NoDraft(), (), ctrl
     if method == "ngram":
-        return NGram(max_draft=k, min_ngram=ngram), (), ctrl
+        return NGram(max_draft=k, min_ngram=ngram), _load_datastore(model, datastore) or (), ctrl
     if (knn is not None or domain is not None) and method != "knn-ssd":
         raise JspecError("--knn and --domain go with --method knn-ssd")
     if method == "knn-ssd":
@@ -295,6 +299,24 @@ def _load_head(method: str, model, head: str | None):
     if meta["kind"] != method:
         raise JspecError(f"head {path} is a {meta['kind']} head, not a {method} head")
     return hp, meta
+
+
+@functools.lru_cache(maxsize=8)
+def _read_datastore(path: str, stamp: int, cfg) -> dict:
+    return datastore_io.load(path, cfg)
+
+
+def _load_datastore(model, path: str | None) -> dict | None:
+    """The table prompt lookup falls back on: --datastore PATH, 'off', or the one shipped for the
+    default model (docs/methods.md, "Datastore")."""
+    if path == "off":
+        return None
+    path = path or shipped(model, "datastore")
+    if path is None:
+        return None
+    meta = Path(path) / "datastore.json"
+    table = _read_datastore(str(Path(path).resolve()), meta.stat().st_mtime_ns if meta.exists() else 0, model.cfg)
+    return _placed(jax.tree.map(jnp.asarray, table), model)
 
 
 @functools.lru_cache(maxsize=8)

@@ -41,6 +41,11 @@ RULES: dict[str, tuple[str | None, ...]] = {
     "anchors": (None, None),
     "anchor_domain": (None,),
     "skip": (None, None, None),
+    # The datastore's table (jspec.datastore): keys [E, 3], hashes [E], next tokens [E]. Replicated:
+    # every row's binary search may land anywhere in it.
+    "ngram_keys": (None, None),
+    "ngram_hash": (None,),
+    "ngram_next": (None,),
 }
 # KV cache per layer [B, S, K, H]: rows over data, kv heads over model.
 CACHE_RULE = ("data", None, "model", None)

@@ -355,7 +355,8 @@ def test_shipped_heads_are_lossless_on_the_default_model(default_model, method):
 @pytest.mark.slow
 def test_cli_distill_train_generate(tiny_chat_model, tmp_path, capsys):
     """The whole path from the command line, text prompts through a chat template: distill-data,
-    train-head, generate with the head (the tokens of ar: the head is lossless)."""
+    train-head, generate with the head (the tokens of ar: the head is lossless), and a datastore of
+    the same answers behind ngram and prompt lookup."""
     model = ["--model", tiny_chat_model]
     prompts = tmp_path / "train.jsonl"
     prompts.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in
@@ -378,3 +379,8 @@ def test_cli_distill_train_generate(tiny_chat_model, tmp_path, capsys):
     assert main(["generate", *model, "Name three primes.", "--max-new-tokens", "12", "--method", "kangaroo",
                  "--head", str(head)]) == 0
     assert capsys.readouterr().out == ar
+    assert main(["build-datastore", *model, "--data", str(data), "--out", str(tmp_path / "ds"), "--min-count", "1"]) == 0
+    for method in (["ngram"], ["kangaroo", "--head", str(head), "--lookup", "2"]):
+        assert main(["generate", *model, "Name three primes.", "--max-new-tokens", "12", "--method", *method,
+                     "--datastore", str(tmp_path / "ds")]) == 0
+        assert capsys.readouterr().out == ar

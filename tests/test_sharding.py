@@ -194,6 +194,24 @@ def test_lookup_first_on_a_mesh(converted, prompts, reference, unsharded, one_de
     assert sum(r["stats"]["lookup_rounds"] for r in got) > 0
 
 
+def test_datastore_on_a_mesh(converted, prompts, reference, unsharded, tmp_path):
+    """`ngram` with a datastore (of the model's own output) on a data=2,model=4 mesh: its table is
+    replicated, and the tokens and rounds are one device's."""
+    from jspec import datastore
+
+    table = datastore.build([(p["token_ids"] + row, len(p["token_ids"])) for p, row in zip(prompts, reference)])
+    path = str(datastore.save(tmp_path / "ds", table, {"model": heads.fingerprint(unsharded.cfg)}))
+    m = jspec.load(converted, mesh="data=2,model=4")
+    _, dparams, _ = methods.build("ngram", m, datastore=path)
+    assert all(x.sharding.is_fully_replicated and len(x.sharding.device_set) == 8 for x in dparams.values())
+    options = dict(method="ngram", datastore=path, max_new_tokens=NEW, batch_size=8)
+    expected = unsharded.generate(prompts, **options)
+    got = m.generate(prompts, **options)
+    assert [r["token_ids"] for r in got] == [r["token_ids"] for r in expected] == reference
+    assert [r["stats"] for r in got] == [r["stats"] for r in expected]
+    assert sum(r["stats"]["accepted"] for r in got) > 0
+
+
 def test_head_saved_on_a_mesh_loads_on_one_device(converted, prompts, reference, unsharded, tmp_path):
     sharded = jspec.load(converted, mesh="data=2,model=4")
     path, hp = save_head(tmp_path, sharded, "kangaroo")

@@ -332,6 +332,32 @@ def test_lookup_first_equals_ar(spec, drafter):
             assert sum(lookups) > 0 and any(n < r["stats"]["rounds"] - 1 for n, r in zip(lookups, records))
 
 
+def test_datastore_drafts_what_the_model_wrote(spec, tmp_path):
+    """A datastore of the target's own output (its answers to these prompts): `ngram` and prompt
+    lookup in front of a head draft from it where the text has no repeat (more accepted drafts;
+    more copying rounds at batch 1), and the output is still ar's (batch 1 and 4)."""
+    from jspec import datastore
+    from jspec.errors import JspecError
+
+    table = datastore.build([(p["token_ids"] + row, len(p["token_ids"])) for p, row in zip(spec.prompts, spec.ar)])
+    path = str(datastore.save(tmp_path / "ds", table, {"model": heads.fingerprint(spec.target.cfg)}))
+    accepted = lambda records: sum(r["stats"]["accepted"] for r in records)
+    for batch_size in (1, 4):
+        options = dict(max_new_tokens=NEW, batch_size=batch_size, max_draft=K)
+        plain = spec.target.generate(spec.prompts, method="ngram", **options)
+        stored = spec.target.generate(spec.prompts, method="ngram", datastore=path, **options)
+        check_lossless(spec, stored)
+        assert accepted(stored) > accepted(plain)
+        options.update(method="kangaroo", head=spec.heads["kangaroo"], max_draft=1, controller="fixed", lookup=2)
+        plain = spec.target.generate(spec.prompts, datastore="off", **options)
+        stored = spec.target.generate(spec.prompts, datastore=path, **options)
+        check_lossless(spec, stored)
+        copied = lambda records: sum(r["stats"]["lookup_rounds"] for r in records)
+        assert batch_size > 1 or copied(stored) > copied(plain)  # batch 4: when every row has a draft
+    with pytest.raises(JspecError, match="--datastore goes with --method ngram or with --lookup"):
+        methods.build("eesd", spec.target, head=spec.heads["eesd"], datastore=path)
+
+
 def test_ngram_copies_repeats_of_at_least_lookup_tokens(spec):
     """`ngram`'s --lookup N is the shortest repeat it copies (default 2): the last token alone
     recurring proposes nothing at N = 2 and what followed it at N = 1; both are lossless."""
@@ -556,6 +582,8 @@ SAMPLED = {
     "ar": dict(method="ar"),
     "early-exit": dict(method="early-exit", exit_layer=2, max_draft=3),  # confidence controller
     "ngram": dict(method="ngram", max_draft=3, lookup=1),  # 3 new tokens: a 2-token repeat would be rare
+    # after the first round's repeat, the datastore's chains (a table of random text: 3.7x the drafts)
+    "ngram-datastore": dict(method="ngram", max_draft=3, datastore="small"),
     "layer-skip": dict(method="layer-skip", skip_layers=(1,), max_draft=3, controller="thompson"),
     "draft": dict(method="draft", max_draft=3, controller="heuristic"),
     # temperature, top-k and top-p: target and draft distributions both filtered
@@ -574,9 +602,21 @@ def small_heads(small, tmp_path_factory) -> dict:
     return save_heads(tmp_path_factory.mktemp("small-heads"), small.target.cfg, small.target.params, vocab)
 
 
+@pytest.fixture(scope="module")
+def small_datastore(small, tmp_path_factory) -> str:
+    from jspec import datastore
+
+    text = np.random.default_rng(2).integers(0, SV, (64, 64)).tolist()
+    table = datastore.build([(row, 3) for row in text], min_count=1, min_share=0.01)
+    meta = {"model": heads.fingerprint(small.target.cfg)}
+    return str(datastore.save(tmp_path_factory.mktemp("small-datastore") / "ds", table, meta))
+
+
 @pytest.mark.parametrize("method", list(SAMPLED))
-def test_sampling_matches_target_distribution(small, small_heads, method):
+def test_sampling_matches_target_distribution(small, small_heads, small_datastore, method):
     opts = {"temperature": 1.0, **SAMPLED[method]}
+    if opts.get("datastore") == "small":
+        opts["datastore"] = small_datastore
     if opts["method"] == "draft":
         opts["draft_model"] = small.draft
     if opts["method"] in heads.KINDS:

@@ -2,6 +2,9 @@
 min_ngram) proposes what followed them, as n-gram drafting does, and only the other rounds run
 the wrapped drafter (a head, layer skipping, a draft model).
 
+A round without a repeat of its own asks the model's datastore, if given (jspec.datastore: what
+the model itself wrote after the same two or three tokens), before the wrapped drafter.
+
 Copying is free and, where the text repeats itself (extraction, summaries, code, lists), right
 for several tokens at once, while a model drafter pays a draft step per token and is accepted
 for about one. Lookup tokens are fed through the wrapped drafter afterwards (`Drafter.feed`:
@@ -23,31 +26,32 @@ import jax
 import jax.numpy as jnp
 
 from jspec.drafters.base import Draft, Drafter, only_if
-from jspec.drafters.ngram import MAX_NGRAM, lookup
+from jspec.drafters.ngram import MAX_NGRAM, propose
 
 
 @dataclasses.dataclass(frozen=True)
 class Lookup(Drafter):
+    """dparams: {"inner": the wrapped drafter's, "table": the datastore's table or None}."""
     inner: Drafter
     max_draft: int = 4  # tokens a lookup proposes; the wrapped drafter keeps its own K (<= this)
     min_ngram: int = 2
     max_ngram: int = MAX_NGRAM
 
     def prefill(self, params, dparams, cfg, tokens, packing, cache):
-        h, cache, dstate = self.inner.prefill(params, dparams, cfg, tokens, packing, cache)
+        h, cache, dstate = self.inner.prefill(params, dparams["inner"], cfg, tokens, packing, cache)
         rounds = jnp.zeros(packing.lens.shape, jnp.int32)
         return h, cache, {"inner": self.inner.room(dstate, self.max_draft), "lookup_rounds": rounds}
 
     def draft(self, params, dparams, cfg, s, controller, sampling, key):
         k, live = self.max_draft, ~s.done
-        copied, found = lookup(s.seq, s.length, k, self.min_ngram, self.max_ngram)
+        copied, found = propose(s.seq, s.length, k, self.min_ngram, self.max_ngram, dparams["table"])
 
         # Each proposer reads the cache and states from the carry it is given, never from s:
         # whichever runs then updates them in place.
         def by_inner(carry):
             _, _, _, cache, dstate, cstate = carry
             inner_s = dataclasses.replace(s, cache=cache, dstate=dstate, cstate=cstate)
-            d = self.inner.draft(params, dparams, cfg, inner_s, controller, sampling, key)
+            d = self.inner.draft(params, dparams["inner"], cfg, inner_s, controller, sampling, key)
             pad = k - d.tokens.shape[1]
             probs = d.probs
             if probs is None and not sampling.greedy:  # a deterministic proposal (SpecEE's: none): q one-hot
@@ -59,7 +63,7 @@ class Lookup(Drafter):
             _, _, _, cache, dstate, cstate = carry
             fed = jnp.concatenate([s.last[:, None], copied], axis=1)
             positions = s.length[:, None] + jnp.arange(k + 1)[None, :]
-            cache, dstate = self.inner.feed(params, dparams, cfg, cache, dstate, fed, positions)
+            cache, dstate = self.inner.feed(params, dparams["inner"], cfg, cache, dstate, fed, positions)
             probs = None if sampling.greedy else jax.nn.one_hot(copied, cfg.vocab_size, dtype=jnp.float32)
             return copied, probs, jnp.where(live, found, 0), cache, dstate, cstate
 
@@ -71,10 +75,10 @@ class Lookup(Drafter):
         return Draft(tokens, probs, n, cache, dstate, cstate)
 
     def verify(self, params, dparams, cfg, tokens, positions, cache, dstate, width):
-        return self.inner.verify(params, dparams, cfg, tokens, positions, cache, dstate["inner"], width)
+        return self.inner.verify(params, dparams["inner"], cfg, tokens, positions, cache, dstate["inner"], width)
 
     def target_logits(self, params, dparams, cfg, h, dstate, sampling):
-        return self.inner.target_logits(params, dparams, cfg, h, dstate["inner"], sampling)
+        return self.inner.target_logits(params, dparams["inner"], cfg, h, dstate["inner"], sampling)
 
     def stats(self, dstate):
         return {**self.inner.stats(dstate["inner"]), "lookup_rounds": dstate["lookup_rounds"]}

@@ -1,8 +1,10 @@
 """Prompt lookup (n-gram) drafting: no model. Find the most recent earlier occurrence of the
 last n tokens (n = max_ngram down to min_ngram, 2 by default: a single recurring token was copied
 more often wrongly than rightly) in the prompt and the text so far, and propose the tokens that
-followed it; a round without such a repeat drafts nothing. The proposal is deterministic, so
-sampled acceptance treats q as one-hot on the proposed token."""
+followed it; a round without such a repeat asks the model's datastore, if it has one
+(jspec.datastore: what the model itself wrote after the last two or three tokens), and otherwise
+drafts nothing. The proposal is deterministic, so sampled acceptance treats q as one-hot on the
+proposed token."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jspec import datastore
 from jspec.drafters.base import Draft, Drafter
 
 MAX_NGRAM = 3  # the longest repeat looked up, by n-gram drafting and by lookup in front of a drafter
@@ -35,15 +38,26 @@ def lookup(seq: jax.Array, end: jax.Array, max_draft: int, min_ngram: int, max_n
     return tokens, jnp.where(best >= 0, jnp.minimum(end - best, max_draft), 0)
 
 
+def propose(seq, end, max_draft: int, min_ngram: int, max_ngram: int, table):
+    """lookup's (tokens, found), and where a row has no repeat, the datastore `table`'s (or None)."""
+    tokens, found = lookup(seq, end, max_draft, min_ngram, max_ngram)
+    if table is None:
+        return tokens, found
+    stored, known = datastore.lookup(table, seq, end, max_draft)
+    repeat = found > 0
+    return jnp.where(repeat[:, None], tokens, stored), jnp.where(repeat, found, known)
+
+
 @dataclasses.dataclass(frozen=True)
 class NGram(Drafter):
+    """dparams: the datastore's table, or () without one."""
     max_draft: int = 8
     min_ngram: int = 2
     max_ngram: int = MAX_NGRAM
 
     def draft(self, params, dparams, cfg, s, controller, sampling, key):
         b = s.seq.shape[0]
-        tokens, n_found = lookup(s.seq, s.length, self.max_draft, self.min_ngram, self.max_ngram)
+        tokens, n_found = propose(s.seq, s.length, self.max_draft, self.min_ngram, self.max_ngram, dparams or None)
         cap = jnp.full((b,), self.max_draft, jnp.int32)
         cstate = s.cstate
         ones = jnp.ones((b,), jnp.float32)

@@ -1,0 +1,177 @@
+"""A table of what the model itself writes after two or three tokens, for drafting by lookup.
+
+Prompt lookup (jspec.drafters.ngram) copies what followed an earlier repeat in the prompt and the
+text so far, and most rounds find none. The model's answers to training prompts repeat across
+prompts too ("Here are some", "I hope this helps"), so a round without a repeat of its own can
+ask this table instead: for each bigram and trigram of those answers, the token the model wrote
+next most often, kept where it followed at least `min_count` times and in at least `min_share`
+of them (REST, He et al. 2024, retrieves from a corpus; this corpus is the model's own greedy
+output, so a lookup proposes what the target is likely to write again). A draft chains lookups,
+the trigram's entry preferred. Verification keeps decoding lossless whatever the table says.
+
+`jspec build-datastore --data ANSWERS... --out DIR` writes DIR/datastore.json (the model it
+belongs to, the data, the settings) and DIR/table.npz:
+
+    ngram_keys [E, 3] int32  the n-gram, right-aligned; a bigram's first slot is -1
+    ngram_hash [E]    int32  key_hash of each key, ascending: a lookup is a binary search
+    ngram_next [E]    int32  the token written next most often
+
+Inside the jitted loop a lookup is one binary search per n-gram length and draft position (17
+steps for 100,000 entries); a hash collision only loses an entry (the key is compared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.errors import JspecError
+
+FORMAT = 1
+ORDER = 3  # the longest n-gram looked up; bigrams fill in where no trigram is known
+# Odd multipliers below 2**31: the hash is their dot product with the key, wrapping in int32
+# exactly as numpy's int64 arithmetic reduced mod 2**32 does.
+MULTIPLIERS = (0x2545F491, 0x6C8E9CF5, 0x1B873593)
+
+
+def key_hash(keys):
+    """keys [..., 3] int32 (numpy or jax) -> [...] int32, the same bits either way."""
+    if isinstance(keys, np.ndarray):
+        full = (keys.astype(np.int64) * np.array(MULTIPLIERS, np.int64)).sum(-1) & 0xFFFFFFFF
+        return full.astype(np.uint32).view(np.int32)
+    keys = keys.astype(jnp.int32)
+    return sum(keys[..., i] * jnp.int32(m) for i, m in enumerate(MULTIPLIERS))
+
+
+def build(sequences, min_count: int = 2, min_share: float = 0.5) -> dict[str, np.ndarray]:
+    """The table of `sequences`, (token ids, first answer position) pairs: every answer token
+    counts as a continuation of the bigram and the trigram before it (prompt tokens included)."""
+    counts = collections.defaultdict(collections.Counter)
+    for tokens, start in sequences:
+        tokens = [int(t) for t in tokens]
+        for i in range(max(start, 2), len(tokens)):
+            counts[(-1, *tokens[i - 2:i])][tokens[i]] += 1
+            if i >= ORDER:
+                counts[tuple(tokens[i - ORDER:i])][tokens[i]] += 1
+    keys, nexts = [], []
+    for key, after in counts.items():
+        token, n = after.most_common(1)[0]
+        if n >= min_count and n >= min_share * sum(after.values()):
+            keys.append(key)
+            nexts.append(token)
+    keys = np.array(keys, np.int32).reshape(-1, ORDER)
+    order = np.argsort(key_hash(keys), kind="stable")
+    keys = keys[order]
+    return {"ngram_keys": keys, "ngram_hash": key_hash(keys), "ngram_next": np.array(nexts, np.int32)[order]}
+
+
+def _find(table, keys: jax.Array):
+    """(next token [B], found [B]) of keys [B, 3]."""
+    hashes = key_hash(keys)
+    i = jnp.clip(jnp.searchsorted(table["ngram_hash"], hashes), 0, table["ngram_hash"].shape[0] - 1)
+    found = (table["ngram_hash"][i] == hashes) & jnp.all(table["ngram_keys"][i] == keys, axis=-1)
+    return table["ngram_next"][i], found
+
+
+def lookup(table, seq: jax.Array, end: jax.Array, max_draft: int):
+    """seq [B, S] (the newest token of row b at end[b]) -> (tokens [B, max_draft], found [B]): the
+    chain of the table's continuations after each row's last tokens, and how many of them lead
+    without a gap (0: the table knows nothing after them)."""
+    offsets = jnp.arange(1 - ORDER, 1)[None, :]
+    at = end[:, None] + offsets
+    context = jnp.where(at >= 0, jnp.take_along_axis(seq, jnp.maximum(at, 0), axis=1), -1)  # [B, 3]
+    tokens, found, chained = [], jnp.zeros(end.shape, jnp.int32), jnp.ones(end.shape, bool)
+    for _ in range(max_draft):
+        by_trigram, tri = _find(table, context)
+        by_bigram, bi = _find(table, context.at[:, 0].set(-1))
+        token = jnp.where(tri, by_trigram, by_bigram)
+        chained &= tri | bi
+        found += chained
+        tokens.append(token)
+        context = jnp.concatenate([context[:, 1:], token[:, None]], axis=1)
+    return jnp.stack(tokens, axis=1), found
+
+
+# -- saving and loading --------------------------------------------------------------------------
+
+def save(path: str | os.PathLike, table: dict[str, np.ndarray], meta: dict) -> Path:
+    from jspec.convert.store import writing_folder
+
+    path = Path(path).absolute()
+    with writing_folder(path) as tmp:
+        np.savez_compressed(tmp / "table.npz", **table)
+        (tmp / "datastore.json").write_text(json.dumps({"format": FORMAT, **meta}, indent=1) + "\n")
+    return path
+
+
+def load(path: str | os.PathLike, cfg) -> dict[str, np.ndarray]:
+    """The table of a datastore folder, refused unless it was built for a model like `cfg`."""
+    from jspec.heads import check_fingerprint
+
+    path = Path(path)
+    if not (path / "datastore.json").is_file():
+        raise JspecError(f"{path} is not a jspec datastore (no datastore.json); build one with jspec build-datastore")
+    meta = json.loads((path / "datastore.json").read_text())
+    if meta.get("format") != FORMAT:
+        raise JspecError(f"datastore {path} has format {meta.get('format')}; this jspec reads format {FORMAT}")
+    check_fingerprint(meta["model"], cfg, f"datastore {path} was built")
+    with np.load(path / "table.npz") as z:
+        table = {name: z[name] for name in ("ngram_keys", "ngram_hash", "ngram_next")}
+    if table["ngram_keys"].max() >= cfg.vocab_size:
+        raise JspecError(f"datastore {path} holds token ids beyond this model's vocabulary ({cfg.vocab_size})")
+    return table
+
+
+# -- jspec build-datastore -----------------------------------------------------------------------
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from jspec.cli import add_model_options
+
+    p.add_argument("--data", required=True, nargs="+", metavar="DIR",
+                   help="answer folders of jspec distill-data (the model's own answers)")
+    p.add_argument("--out", required=True, metavar="DIR", help="the datastore folder")
+    p.add_argument("--min-count", type=int, default=2, metavar="N",
+                   help="keep a continuation written at least N times (default: %(default)s)")
+    p.add_argument("--min-share", type=float, default=0.5, metavar="S",
+                   help="... and after at least this share of the n-gram's occurrences (default: %(default)s)")
+    add_model_options(p)
+
+
+def main(args: argparse.Namespace) -> int:
+    from jspec.cli import load_model
+    from jspec.heads import fingerprint
+    from jspec.training import distill
+
+    if args.min_count < 1 or not 0 < args.min_share <= 1:
+        raise JspecError("--min-count must be >= 1 and --min-share in (0, 1]")
+    folders = [distill.load(folder) for folder in args.data]
+    for folder, (meta, _) in zip(args.data, folders):
+        if meta.get("source", "answers") != "answers" or meta.get("temperature", 0.0) != 0.0:
+            raise JspecError(f"{folder} is not greedy answers of the model (jspec distill-data --source answers)")
+    model = load_model(args)
+    for folder, (meta, _) in zip(args.data, folders):
+        if meta.get("model") != model.name:
+            raise JspecError(f"{folder} holds answers of {meta.get('model')}, not of {model.name} "
+                             "(name the model as jspec distill-data was given it)")
+    sequences = [(row[:p + a], int(p)) for _, data in folders
+                 for row, p, a in zip(data["tokens"], data["prompt_lens"], data["answer_lens"])]
+    table = build(sequences, args.min_count, args.min_share)
+    if not len(table["ngram_next"]):
+        raise JspecError("no n-gram of the data passes --min-count and --min-share: nothing to save")
+    tokens = int(sum(len(t) - p for t, p in sequences))
+    path = save(args.out, table, {"model": fingerprint(model.cfg), "model_name": model.name,
+                                  "data": [{"folder": str(Path(f).absolute()), **meta}
+                                           for f, (meta, _) in zip(args.data, folders)], "answers": len(sequences),
+                                  "answer_tokens": tokens, "min_count": args.min_count, "min_share": args.min_share,
+                                  "entries": len(table["ngram_next"])})
+    print(f"saved {path}: {len(table['ngram_next'])} n-grams from {len(sequences)} answers ({tokens} tokens)",
+          file=sys.stderr)
+    return 0

@@ -308,7 +308,7 @@ def _read_datastore(path: str, stamp: int, cfg) -> dict:
 
 def _load_datastore(model, path: str | None) -> dict | None:
     """The table prompt lookup falls back on: --datastore PATH, 'off', or the one shipped for the
-    default model (docs/methods.md, "Datastore")."""
+    default model (docs/methods.md, "The datastore")."""
     if path == "off":
         return None
     path = path or shipped(model, "datastore")

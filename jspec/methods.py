@@ -302,8 +302,12 @@ def _load_head(method: str, model, head: str | None):
 
 
 @functools.lru_cache(maxsize=8)
-def _read_datastore(path: str, stamp: int, cfg) -> dict:
-    return datastore_io.load(path, cfg)
+def _read_datastore(path: str, stamp: int, cfg, mesh) -> dict:
+    """datastore.load, placed where the model lives, once per folder, version and mesh (as heads)."""
+    table = datastore_io.load(path, cfg)
+    if mesh is None:
+        return jax.tree.map(jnp.asarray, table)
+    return jax.device_put(table, sharding.param_shardings(table, mesh))
 
 
 def _load_datastore(model, path: str | None) -> dict | None:
@@ -315,8 +319,8 @@ def _load_datastore(model, path: str | None) -> dict | None:
     if path is None:
         return None
     meta = Path(path) / "datastore.json"
-    table = _read_datastore(str(Path(path).resolve()), meta.stat().st_mtime_ns if meta.exists() else 0, model.cfg)
-    return _placed(jax.tree.map(jnp.asarray, table), model)
+    return _read_datastore(str(Path(path).resolve()), meta.stat().st_mtime_ns if meta.exists() else 0, model.cfg,
+                           model.mesh)
 
 
 @functools.lru_cache(maxsize=8)

@@ -9,10 +9,15 @@ of them (REST, He et al. 2024, retrieves from a corpus; this corpus is the model
 output, so a lookup proposes what the target is likely to write again). A draft chains lookups,
 the trigram's entry preferred. Verification keeps decoding lossless whatever the table says.
 
+The table also keeps, for each single token, the token that most often followed it (at least
+`min_count` times), whatever its share: not for chains, but for `guess`, the one token n-gram
+drafting proposes in a round that has nothing better.
+
 `jspec build-datastore --data ANSWERS... --out DIR` writes DIR/datastore.json (the model it
 belongs to, the data, the settings) and DIR/table.npz:
 
-    ngram_keys [E, 3] int32  the n-gram, right-aligned; a bigram's first slot is -1
+    ngram_keys [E, 3] int32  the n-gram, right-aligned; a bigram's first slot is -1, a single
+                             token's first two
     ngram_hash [E]    int32  key_hash of each key, ascending: a lookup is a binary search
     ngram_next [E]    int32  the token written next most often
 
@@ -53,18 +58,21 @@ def key_hash(keys):
 
 def build(sequences, min_count: int = 2, min_share: float = 0.5) -> dict[str, np.ndarray]:
     """The table of `sequences`, (token ids, first answer position) pairs: every answer token
-    counts as a continuation of the bigram and the trigram before it (prompt tokens included)."""
+    counts as a continuation of the token, the bigram and the trigram before it (prompt tokens
+    included). A single token's entry (a guess) needs no share."""
     counts = collections.defaultdict(collections.Counter)
     for tokens, start in sequences:
         tokens = [int(t) for t in tokens]
         for i in range(max(start, 2), len(tokens)):
+            counts[(-1, -1, tokens[i - 1])][tokens[i]] += 1
             counts[(-1, *tokens[i - 2:i])][tokens[i]] += 1
             if i >= ORDER:
                 counts[tuple(tokens[i - ORDER:i])][tokens[i]] += 1
     keys, nexts = [], []
     for key, after in counts.items():
         token, n = after.most_common(1)[0]
-        if n >= min_count and n >= min_share * sum(after.values()):
+        share = 0.0 if key[1] == -1 else min_share
+        if n >= min_count and n >= share * sum(after.values()):
             keys.append(key)
             nexts.append(token)
     keys = np.array(keys, np.int32).reshape(-1, ORDER)
@@ -98,6 +106,13 @@ def lookup(table, seq: jax.Array, end: jax.Array, max_draft: int):
         tokens.append(token)
         context = jnp.concatenate([context[:, 1:], token[:, None]], axis=1)
     return jnp.stack(tokens, axis=1), found
+
+
+def guess(table, seq: jax.Array, end: jax.Array):
+    """(token [B], found [B]): the table's most frequent continuation of each row's newest token
+    seq[b, end[b]], whatever its share."""
+    last = jnp.take_along_axis(seq, end[:, None], axis=1)
+    return _find(table, jnp.concatenate([jnp.full((seq.shape[0], 2), -1, jnp.int32), last], axis=1))
 
 
 # -- saving and loading --------------------------------------------------------------------------
@@ -141,7 +156,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-count", type=int, default=2, metavar="N",
                    help="keep a continuation written at least N times (default: %(default)s)")
     p.add_argument("--min-share", type=float, default=0.5, metavar="S",
-                   help="... and after at least this share of the n-gram's occurrences (default: %(default)s)")
+                   help="... and after at least this share of the bigram's or trigram's occurrences (a single "
+                        "token's entry, a guess, needs no share; default: %(default)s)")
     add_model_options(p)
 
 

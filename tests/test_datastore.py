@@ -22,19 +22,45 @@ def test_hash_is_the_same_in_numpy_and_jax():
 
 
 def test_build_keeps_clear_continuations():
-    """Each bigram and trigram before an answer token counts it; kept when the most frequent
-    continuation is written at least min_count times and in at least min_share of them."""
+    """Each token, bigram and trigram before an answer token counts it; kept when the most
+    frequent continuation is written at least min_count times and, for a bigram or trigram, in at
+    least min_share of them (a single token's entry is a guess: no share asked)."""
     sequences = [([7, 1, 2, 3, 1, 2, 3, 1, 2, 4], 3), ([1, 2, 3], 2), ([9, 9, 1, 2, 3], 4)]
     table = datastore.build(sequences, min_count=2, min_share=0.5)
     got = {tuple(k): int(n) for k, n in zip(table["ngram_keys"].tolist(), table["ngram_next"])}
     # (1, 2) -> 3 four times of five, 4 once; (3, 1, 2) -> 3 once and 4 once; (7, 1, 2) only once
-    assert got == {(-1, 1, 2): 3, (-1, 2, 3): 1, (-1, 3, 1): 2, (1, 2, 3): 1, (2, 3, 1): 2}
+    assert got == {(-1, 1, 2): 3, (-1, 2, 3): 1, (-1, 3, 1): 2, (1, 2, 3): 1, (2, 3, 1): 2,
+                   (-1, -1, 1): 2, (-1, -1, 2): 3, (-1, -1, 3): 1}
     assert np.all(np.diff(table["ngram_hash"]) >= 0)
     np.testing.assert_array_equal(table["ngram_hash"], datastore.key_hash(table["ngram_keys"]))
-    clearer = datastore.build(sequences, min_count=2, min_share=0.9)
+    clearer = datastore.build(sequences, min_count=2, min_share=0.9)  # 2 -> 3 (a share of 0.8) stays a guess
     assert {tuple(k) for k in clearer["ngram_keys"].tolist()} == got.keys() - {(-1, 1, 2)}
     frequent = datastore.build(sequences, min_count=3, min_share=0.5)
-    assert frequent["ngram_keys"].tolist() == [[-1, 1, 2]]
+    assert sorted(frequent["ngram_keys"].tolist()) == [[-1, -1, 2], [-1, 1, 2]]
+
+
+def test_a_round_with_nothing_better_guesses_one_token():
+    """n-gram drafting proposes a repeat of 2+ tokens, else the datastore's chain, else (with
+    `guess`) one token: what followed the newest token's most recent earlier occurrence, else the
+    table's most frequent continuation of that token, else nothing."""
+    from jspec.drafters.ngram import propose
+
+    # 21 -> 22 twice and -> 23 once: (20, 21) is no clear bigram, but 22 is 21's guess
+    sequences = [([20, 21, 22], 1), ([19, 21, 22], 1), ([20, 21, 23], 1), ([30, 31, 32, 33], 1)]
+    table = {k: jnp.asarray(v) for k, v in datastore.build(sequences, min_count=1, min_share=1.0).items()}
+    seq = jnp.array([[1, 2, 3, 1, 2],    # a repeat of (1, 2): 3, 1, 2
+                     [7, 30, 31, 0, 0],  # the chain 32, 33
+                     [5, 21, 6, 21, 0],  # 21 recurs: 6 followed it
+                     [8, 9, 21, 0, 0],   # the table's guess after 21: 22
+                     [8, 9, 40, 0, 0]])  # nothing
+    end = jnp.array([4, 2, 3, 2, 2])
+    wanted = [[3, 1, 2], [32, 33], [6], [22], []]
+    for guess in (True, False):
+        tokens, found = propose(seq, end, 4, 2, 3, table, guess=guess)
+        want = wanted if guess else wanted[:2] + [[], [], []]
+        assert [tokens[b, :int(n)].tolist() for b, n in enumerate(found)] == want
+    tokens, found = propose(seq, end, 4, 2, 3, None, guess=True)  # no datastore: repeats only
+    assert [tokens[b, :int(n)].tolist() for b, n in enumerate(found)] == [[3, 1, 2], [], [6], [], []]
 
 
 def reference_lookup(counts, context, k):

@@ -2,9 +2,12 @@
 last n tokens (n = max_ngram down to min_ngram, 2 by default: a single recurring token was copied
 more often wrongly than rightly) in the prompt and the text so far, and propose the tokens that
 followed it; a round without such a repeat asks the model's datastore, if it has one
-(jspec.datastore: what the model itself wrote after the last two or three tokens), and otherwise
-drafts nothing. The proposal is deterministic, so sampled acceptance treats q as one-hot on the
-proposed token."""
+(jspec.datastore: what the model itself wrote after the last two or three tokens). A round that
+finds neither guesses one token: what followed the newest token's most recent earlier occurrence,
+else the datastore's most frequent continuation of it. The guess is right about a fifth of the
+time, and free: one drafted token is verified at two positions, which cost about what a round
+without drafts costs at one (docs/benchmarks.md, "A free guess"). The proposal
+is deterministic, so sampled acceptance treats q as one-hot on the proposed token."""
 
 from __future__ import annotations
 
@@ -38,14 +41,25 @@ def lookup(seq: jax.Array, end: jax.Array, max_draft: int, min_ngram: int, max_n
     return tokens, jnp.where(best >= 0, jnp.minimum(end - best, max_draft), 0)
 
 
-def propose(seq, end, max_draft: int, min_ngram: int, max_ngram: int, table):
-    """lookup's (tokens, found), and where a row has no repeat, the datastore `table`'s (or None)."""
+def propose(seq, end, max_draft: int, min_ngram: int, max_ngram: int, table, guess: bool = False):
+    """lookup's (tokens, found); where a row has no repeat, the datastore `table`'s (or None); and
+    with `guess`, where neither has a draft, one token: the one that followed the newest token's
+    most recent earlier occurrence, else the table's most frequent continuation of it."""
     tokens, found = lookup(seq, end, max_draft, min_ngram, max_ngram)
-    if table is None:
-        return tokens, found
-    stored, known = datastore.lookup(table, seq, end, max_draft)
-    repeat = found > 0
-    return jnp.where(repeat[:, None], tokens, stored), jnp.where(repeat, found, known)
+    if table is not None:
+        stored, known = datastore.lookup(table, seq, end, max_draft)
+        repeat = found > 0
+        tokens, found = jnp.where(repeat[:, None], tokens, stored), jnp.where(repeat, found, known)
+    if guess:
+        guessed, seen = lookup(seq, end, 1, 1, 1)
+        guessed, seen = guessed[:, 0], seen > 0
+        if table is not None:
+            stored, known = datastore.guess(table, seq, end)
+            guessed, seen = jnp.where(seen, guessed, stored), seen | known
+        none = found == 0
+        tokens = tokens.at[:, 0].set(jnp.where(none, guessed, tokens[:, 0]))
+        found = jnp.where(none, seen.astype(found.dtype), found)
+    return tokens, found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +71,8 @@ class NGram(Drafter):
 
     def draft(self, params, dparams, cfg, s, controller, sampling, key):
         b = s.seq.shape[0]
-        tokens, n_found = propose(s.seq, s.length, self.max_draft, self.min_ngram, self.max_ngram, dparams or None)
+        tokens, n_found = propose(s.seq, s.length, self.max_draft, self.min_ngram, self.max_ngram, dparams or None,
+                                  guess=True)
         cap = jnp.full((b,), self.max_draft, jnp.int32)
         cstate = s.cstate
         ones = jnp.ones((b,), jnp.float32)

@@ -150,7 +150,7 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
         raise JspecError("--knn and --domain go with --method knn-ssd")
     if method == "knn-ssd":
         folder = _load_knn(model, knn)
-        return KnnSsd(max_draft=k, domains=folder.names()), _placed(folder.dparams(cfg, domain), model), ctrl
+        return KnnSsd(max_draft=k, domains=folder.names()), _placed(folder.dparams(cfg, domain), model.mesh), ctrl
     if method == "layer-skip":
         skip = default_skip_layers(model) if skip_layers is None else tuple(sorted(set(skip_layers)))
         bad = [i for i in skip if not 0 <= i < cfg.num_layers]
@@ -165,7 +165,7 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
         dparams = jax.tree.map(lambda x: x if x.dtype == jnp.int32 else x.astype(dtype),
                                heads.draft_params(model.params, hp))
         drafter = EarlyExit(max_draft=k, exit_layer=meta["exit_layer"], head=heads.Head())
-        return drafter, _placed(dparams, model), ctrl
+        return drafter, _placed(dparams, model.mesh), ctrl
     if method == "early-exit":
         n = cfg.num_layers // 4 if exit_layer is None else exit_layer
         if not 1 <= n < cfg.num_layers:
@@ -176,7 +176,7 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
     if draft_model.cfg.vocab_size != cfg.vocab_size:
         raise JspecError(f"the draft model's vocabulary ({draft_model.cfg.vocab_size}) differs from the "
                          f"target's ({cfg.vocab_size}); they must share a tokenizer")
-    return DraftModel(draft_cfg=draft_model.cfg, max_draft=k), _placed(draft_model.params, model), ctrl
+    return DraftModel(draft_cfg=draft_model.cfg, max_draft=k), _placed(draft_model.params, model.mesh), ctrl
 
 
 def _lookup_first(method: str, drafter, min_ngram: int | None, k: int | None) -> Lookup:
@@ -260,7 +260,7 @@ def _build_specee(model, head: str | None, path: str | None, threshold: float | 
     dtype = model.params["embed"].dtype
     head_params = jax.tree.map(lambda x: x if x.dtype == jnp.int32 else x.astype(dtype),
                                heads.draft_params(model.params, hp))
-    layers = _placed({"head": head_params, "kv": specee.kv_weights(model.params, model.cfg, n)}, model)
+    layers = _placed({"head": head_params, "kv": specee.kv_weights(model.params, model.cfg, n)}, model.mesh)
     if model.mesh is not None:
         pp = jax.device_put(pp, sharding.NamedSharding(model.mesh, sharding.P()))
     drafter = specee.SpecEE(exit_layer=n, schedule=tuple(meta["schedule"]), choice=choice, kv=kv)
@@ -272,13 +272,13 @@ def _read_predictors(path: str, stamp: int | None, cfg):
     return predictors_io.load(path, cfg)
 
 
-def _placed(dparams, model):
-    """Drafter parameters on the target's mesh, split by the same rules (jit refuses arguments on
-    different devices): a draft model is loaded on its own, and a head's gathered LM head rows
-    come out replicated."""
-    if model.mesh is None:
+def _placed(dparams, mesh):
+    """Drafter parameters on the target's mesh (None: one device), split by the same rules (jit
+    refuses arguments on different devices): a draft model is loaded on its own, and a head's
+    gathered LM head rows come out replicated."""
+    if mesh is None:
         return dparams
-    return jax.device_put(dparams, sharding.param_shardings(dparams, model.mesh))
+    return jax.device_put(dparams, sharding.param_shardings(dparams, mesh))
 
 
 @functools.lru_cache(maxsize=8)
@@ -304,10 +304,7 @@ def _load_head(method: str, model, head: str | None):
 @functools.lru_cache(maxsize=8)
 def _read_datastore(path: str, stamp: int, cfg, mesh) -> dict:
     """datastore.load, placed where the model lives, once per folder, version and mesh (as heads)."""
-    table = datastore_io.load(path, cfg)
-    if mesh is None:
-        return jax.tree.map(jnp.asarray, table)
-    return jax.device_put(table, sharding.param_shardings(table, mesh))
+    return _placed(jax.tree.map(jnp.asarray, datastore_io.load(path, cfg)), mesh)
 
 
 def _load_datastore(model, path: str | None) -> dict | None:

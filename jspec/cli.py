@@ -20,6 +20,7 @@ loaded, so bad input fails in a second. Set JSPEC_DEBUG=1 to see the traceback a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import logging
@@ -84,7 +85,7 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
                    help="feed text prompts as they are, without the model's chat template")
     d = p.add_argument_group("speculative decoding (methods other than ar)")
     d.add_argument("--max-draft", type=int, default=None, metavar="K",
-                   help="most tokens drafted per round (default: 4 for eesd, kangaroo and mjsd, 12 for "
+                   help="most tokens drafted per round (default: 4 for eesd, kangaroo, eagle and mjsd, 12 for "
                         "knn-ssd, 8 otherwise)")
     d.add_argument("--controller", default=None, choices=tuple(CONTROLLERS),
                    help="draft-length controller (default: the method's own, see docs/methods.md)")
@@ -101,14 +102,14 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     d.add_argument("--draft-model", default=None, metavar="PATH_OR_ID",
                    help="draft: a smaller model sharing the target's tokenizer")
     d.add_argument("--head", default=None, metavar="PATH",
-                   help="eesd, kangaroo: a head from jspec train-head (default: the one shipped for the "
+                   help="eesd, kangaroo, eagle: a head from jspec train-head (default: the one shipped for the "
                         "default model); specee: the head its predictors were trained over")
     d.add_argument("--knn", default=None, metavar="PATH",
                    help="knn-ssd: a folder from jspec fit-knn (default: the one shipped for the default model)")
     d.add_argument("--domain", default=None, metavar="NAME",
                    help="knn-ssd: run this domain's skip set on every prompt instead of choosing by anchor")
     d.add_argument("--lookup", type=int, default=None, metavar="N",
-                   help="draft, early-exit, eesd, kangaroo, knn-ssd, layer-skip, specee: copy what followed an "
+                   help="draft, eagle, early-exit, eesd, kangaroo, knn-ssd, layer-skip, specee: copy what followed an "
                         "earlier repeat of the last N tokens (1-3) instead of drafting (specee: instead of exiting "
                         "early), when there is one (above batch 1: when every row has one; default: off); "
                         "ngram: the shortest repeat it copies (default: 2)")
@@ -358,7 +359,6 @@ def _add_compare(sub) -> None:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    import dataclasses
     import json
 
     from jspec import compare
@@ -581,13 +581,16 @@ def _add_train_head(sub) -> None:
 
     r = Recipe()
     p = sub.add_parser(
-        "train-head", help="train an EESD exit layer or a Kangaroo adapter on distillation data",
+        "train-head", help="train an EESD exit layer, a Kangaroo adapter or an EAGLE head on distillation data",
         description="Train a draft head on the data of `jspec distill-data`, checkpointing under OUT.train "
                     "(rerunning the same command resumes), then save the head to OUT.")
     p.add_argument("--kind", required=True, choices=KINDS)
-    p.add_argument("--exit-layer", type=int, required=True, metavar="N", help="draft from the first N layers")
+    p.add_argument("--exit-layer", type=int, default=None, metavar="N",
+                   help="eesd, kangaroo (required): draft from the first N layers; an eagle head reads the last "
+                        "layer's state")
     p.add_argument("--head-layers", type=int, default=r.head_layers, metavar="D",
-                   help="the head's own layers, started from the target's layers N .. N+D-1 (default: %(default)s)")
+                   help="the head's own layers, started from the target's layers N .. N+D-1 (eagle: its last D) "
+                        "(default: %(default)s)")
     p.add_argument("--data", required=True, nargs="+", metavar="DIR", help="jspec distill-data folders")
     p.add_argument("--eval-data", nargs="*", default=[], metavar="DIR",
                    help="held-out distill-data folders; their prompts are left out of training "
@@ -629,12 +632,16 @@ def cmd_train_head(args: argparse.Namespace) -> int:
                           eval_fraction=args.eval_fraction, save_every=args.save_every,
                           eval_every=args.eval_every, patience=args.patience, seed=args.seed)
     recipe.check()
+    if args.exit_layer is None and args.kind != "eagle":
+        raise JspecError(f"--kind {args.kind} needs --exit-layer N")
     for folder in args.data + args.eval_data:
         if not os.path.isfile(os.path.join(folder, "meta.json")):
             raise JspecError(f"{folder} holds no distillation data (no meta.json); run jspec distill-data first")
     if args.init:
         read_meta(args.init)  # before the model loads
     model = load_model(args)
+    if args.exit_layer is None:
+        recipe = dataclasses.replace(recipe, exit_layer=model.cfg.num_layers)
     path, summary = train.train(model, args.data, args.out, recipe, eval_dirs=args.eval_data)
     print(f"saved {path}: held-out agreement {summary['agreement']:.3f}, expected acceptance "
           f"{summary['expected_acceptance']:.3f}, {summary['wall_seconds']:.0f} s", file=sys.stderr)

@@ -1,11 +1,19 @@
-"""Trained draft heads for early-exit self-speculation: EESD's exit layer and Kangaroo's adapter.
+"""Trained draft heads for self-speculation: EESD's exit layer, Kangaroo's adapter, EAGLE's head.
 
-A head turns the target's layer-N hidden state into draft logits through the target's frozen
-LM head. Its own parameters (D hidden, F MLP width, M draft vocabulary):
+A head turns a state of the target into draft logits through the target's frozen LM head. Its
+own parameters (D hidden, F MLP width, M draft vocabulary):
 
     eesd      layers = full decoder blocks (attention + MLP), norm [D]     (EESD's early-exit layer)
     kangaroo  layers = the attention half only (norm, attention, residual), norm [D]   (no MLP)
-    both      vocab [M] int32: the draft-only vocabulary (FR-Spec), the M tokens the head may propose
+    eagle     layers = full decoder blocks, norm [D], fuse [D, 2D]          (EAGLE's feature head)
+    all       vocab [M] int32: the draft-only vocabulary (FR-Spec), the M tokens the head may propose
+
+EESD and Kangaroo read the layer-N state of the token being drafted from (exit layer N: the
+target's first N layers run for every draft). An EAGLE head runs none of the target's layers: it
+reads the target's last state (final-normed) at the previous position, which verification has
+already computed, fused with the embedding of the token (`fuse_input`); its exit layer is recorded
+as L, the model's depth. While drafting, a drafted token's own state is not known yet, and the
+head's output for the previous draft stands in for it (jspec.drafters.eagle).
 
 A head has one layer unless trained with more (`--head-layers`); its layers start as copies of the
 target's layers N, N+1, ... (the first layers a draft skips), its norm as the final norm.
@@ -38,7 +46,7 @@ from jspec.config import ModelConfig
 from jspec.convert import store
 from jspec.errors import JspecError
 
-KINDS = ("eesd", "kangaroo")
+KINDS = ("eesd", "kangaroo", "eagle")
 FORMAT = 3
 _ATTENTION = ("attn_norm", "wqkv", "bqkv", "wo")
 _MLP = ("mlp_norm", "w_gate_up", "w_down")
@@ -46,17 +54,37 @@ _MLP = ("mlp_norm", "w_gate_up", "w_down")
 
 def init(params, cfg: ModelConfig, kind: str, exit_layer: int, vocab: jax.Array, depth: int = 1) -> dict:
     """Head parameters: `depth` layers copied from the target's layers exit_layer, exit_layer + 1, ...
-    and its final norm."""
+    (for an EAGLE head, exit_layer = L: its last `depth` layers) and its final norm. An EAGLE
+    head's `fuse` starts as the sum of the state and the embedding."""
     if kind not in KINDS:
         raise JspecError(f"unknown head kind {kind!r}; choose one of {', '.join(KINDS)}")
-    if not 1 <= depth <= cfg.num_layers - exit_layer:
+    first = cfg.num_layers - depth if kind == "eagle" else exit_layer
+    if kind == "eagle" and exit_layer != cfg.num_layers:
+        raise JspecError(f"an eagle head reads the last layer's state: exit layer {cfg.num_layers}, not {exit_layer}")
+    if not 1 <= depth <= cfg.num_layers - (0 if kind == "eagle" else exit_layer):
         raise JspecError(f"a head exiting at layer {exit_layer} has 1 to {cfg.num_layers - exit_layer} layers, "
                          f"not {depth}")
-    names = _ATTENTION + (_MLP if kind == "eesd" else ())
+    names = _ATTENTION + (_MLP if kind != "kangaroo" else ())
     layers = [{k: jnp.array(src[k], jnp.float32) for k in names if k in src}
-              for src in params["layers"][exit_layer:exit_layer + depth]]
-    return {"layers": layers, "norm": jnp.array(params["final_norm"], jnp.float32),
-            "vocab": jnp.asarray(vocab, jnp.int32)}
+              for src in params["layers"][first:first + depth]]
+    hp = {"layers": layers, "norm": jnp.array(params["final_norm"], jnp.float32),
+          "vocab": jnp.asarray(vocab, jnp.int32)}
+    if kind == "eagle":
+        eye = jnp.eye(cfg.hidden_size, dtype=jnp.float32)
+        hp["fuse"] = jnp.concatenate([eye, eye], axis=1)
+    return hp
+
+
+def fuse_input(params, hp: dict, tokens: jax.Array, prev: jax.Array) -> jax.Array:
+    """An EAGLE head's input [B, T, D]: tokens [B, T] embedded, beside prev [B, T, D], the target's
+    final-normed state at each token's previous position, through `fuse` [D, 2D]."""
+    return model.linear(jnp.concatenate([prev.astype(jnp.float32), model.embed(params, tokens)], axis=-1),
+                        hp["fuse"])
+
+
+def final_state(params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
+    """The target's last-layer states h [..., D] as an EAGLE head reads them: final-normed."""
+    return model.rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
 
 
 def block(cfg: ModelConfig, hp: dict, h: jax.Array, positions: jax.Array | model.Packing | None, kv: dict):
@@ -158,7 +186,7 @@ def load(path: str | os.PathLike, cfg: ModelConfig, mesh: Mesh | None = None) ->
     path = Path(path).absolute()
     meta = read_meta(path)
     check_fingerprint(meta["model"], cfg, f"head {path} was trained")
-    if not 1 <= meta["exit_layer"] < cfg.num_layers:
+    if not 1 <= meta["exit_layer"] < cfg.num_layers + (meta["kind"] == "eagle"):
         raise JspecError(f"head {path} exits at layer {meta['exit_layer']}, outside this model's layers")
     target = store.saved_tree(path / "params")
     shardings = sharding.param_shardings(target, mesh) if mesh is not None else None

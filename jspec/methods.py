@@ -19,6 +19,7 @@ from jspec import predictors as predictors_io
 from jspec.controllers import make_controller
 from jspec.drafters.beam import Beam
 from jspec.drafters.draft_model import DraftModel
+from jspec.drafters.eagle import Eagle
 from jspec.drafters.early_exit import EarlyExit
 from jspec.drafters.knn_ssd import KnnSsd
 from jspec.drafters.layer_skip import LayerSkip
@@ -28,10 +29,10 @@ from jspec.drafters.ngram import MAX_NGRAM, NGram
 from jspec.drafters.none import NoDraft
 from jspec.errors import JspecError
 
-LOSSLESS = ("ar", "draft", "early-exit", "eesd", "kangaroo", "knn-ssd", "layer-skip", "ngram")
+LOSSLESS = ("ar", "draft", "eagle", "early-exit", "eesd", "kangaroo", "knn-ssd", "layer-skip", "ngram")
 LOSSY = ("mjsd", "specee")  # output differs from ar's: jspec bench reports their quality (jspec.quality)
 METHODS = LOSSLESS + LOSSY
-DEFAULT_CONTROLLER = {"ar": "fixed", "draft": "fixed", "early-exit": "confidence", "eesd": "thompson",
+DEFAULT_CONTROLLER = {"ar": "fixed", "draft": "fixed", "eagle": "confidence", "early-exit": "confidence", "eesd": "thompson",
                       "kangaroo": "confidence", "knn-ssd": "confidence", "layer-skip": "dv", "ngram": "fixed",
                       "mjsd": "fixed", "specee": "fixed"}
 MAX_DRAFT = 8
@@ -45,7 +46,7 @@ KNN_THRESHOLD = 0.8
 HEAD_METHODS = heads.KINDS
 # Prompt lookup in front of a model drafter (--lookup): copy a repeat of at least 2 tokens, up to
 # 4 tokens at a time (docs/methods.md, "Prompt lookup first").
-LOOKUP_METHODS = ("draft", "early-exit", "eesd", "kangaroo", "knn-ssd", "layer-skip", "specee")
+LOOKUP_METHODS = ("draft", "eagle", "early-exit", "eesd", "kangaroo", "knn-ssd", "layer-skip", "specee")
 LOOKUP_MIN_NGRAM = 2
 LOOKUP_MAX_DRAFT = 4
 SPECEE_CHOICES = specee.CHOICES
@@ -164,7 +165,8 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
         dtype = model.params["embed"].dtype
         dparams = jax.tree.map(lambda x: x if x.dtype == jnp.int32 else x.astype(dtype),
                                heads.draft_params(model.params, hp))
-        drafter = EarlyExit(max_draft=k, exit_layer=meta["exit_layer"], head=heads.Head())
+        drafter = (Eagle(max_draft=k) if method == "eagle" else
+                   EarlyExit(max_draft=k, exit_layer=meta["exit_layer"], head=heads.Head()))
         return drafter, _placed(dparams, model.mesh), ctrl
     if method == "early-exit":
         n = cfg.num_layers // 4 if exit_layer is None else exit_layer
@@ -222,6 +224,8 @@ def _mjsd(model, k, exit_layer, draft_model, head, beam_width, accept_threshold)
         inner, dparams, ctrl = build("draft", model, max_draft=k, controller="fixed", draft_model=draft_model)
     elif head is not None or (exit_layer is None and shipped(model, "eesd") is not None):
         kind = heads.read_meta(head)["kind"] if head is not None else "eesd"
+        if kind == "eagle":
+            raise JspecError("--method mjsd beams over an eesd or kangaroo head, not an eagle head")
         inner, dparams, ctrl = build(kind, model, max_draft=k, controller="fixed", exit_layer=exit_layer, head=head)
     elif exit_layer == model.cfg.num_layers:
         inner, dparams, ctrl = EarlyExit(max_draft=k, exit_layer=exit_layer), (), make_controller("fixed")

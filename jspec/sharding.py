@@ -36,6 +36,8 @@ RULES: dict[str, tuple[str | None, ...]] = {
     # (M int32s, 32 KiB for 8,192 tokens).
     "norm": (None,),
     "vocab": (None,),
+    # An EAGLE head's `fuse` [D, 2D] (state and embedding into its input): replicated, 1.3 MB at D = 576.
+    "fuse": (None, None),
     # KNN-SSD's folder (jspec.knn): anchors [N, D], anchor_domain [N], skip [M, 2, L]. Replicated:
     # every row's lookup and skip mask may index any of them.
     "anchors": (None, None),

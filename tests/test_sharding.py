@@ -149,10 +149,11 @@ HEAD_VOCAB = np.arange(16, 256, dtype=np.int32)
 
 
 def save_head(folder, lm, kind: str) -> tuple[str, dict]:
-    hp = heads.init(lm.params, lm.cfg, kind, 1, HEAD_VOCAB)
+    exit_layer = lm.cfg.num_layers if kind == "eagle" else 1
+    hp = heads.init(lm.params, lm.cfg, kind, exit_layer, HEAD_VOCAB)
     rng = np.random.default_rng(0)
     hp["layers"] = jax.tree.map(lambda x: x + 0.05 * rng.standard_normal(x.shape).astype(np.float32), hp["layers"])
-    meta = {"kind": kind, "exit_layer": 1, "model": heads.fingerprint(lm.cfg)}
+    meta = {"kind": kind, "exit_layer": exit_layer, "model": heads.fingerprint(lm.cfg)}
     return str(heads.save(folder / kind, hp, meta)), hp
 
 
@@ -180,6 +181,7 @@ def test_head_saved_on_one_device_drafts_on_a_mesh(converted, prompts, reference
     assert spec(dparams["layers"][0]["wqkv"]) == ("model", None)
     assert spec(dparams["lm_head"]) == ("model", None)  # the draft vocabulary's rows [M, D], split over M
     assert dparams["vocab"].sharding.is_fully_replicated and dparams["norm"].sharding.is_fully_replicated
+    assert kind != "eagle" or dparams["fuse"].sharding.is_fully_replicated
 
 
 def test_lookup_first_on_a_mesh(converted, prompts, reference, unsharded, one_device_heads):

@@ -53,6 +53,7 @@ DRAFTERS = {
     "ngram": dict(method="ngram"),
     "eesd": dict(method="eesd"),  # heads copied from layer 1 (untrained), draft vocabulary with gaps
     "kangaroo": dict(method="kangaroo"),
+    "eagle": dict(method="eagle"),  # an untrained head: the target's last layer over state + embedding
 }
 HEAD_EXIT = 1
 CONTROLLERS = {
@@ -112,10 +113,12 @@ class Spec:
 
 
 def save_heads(folder, cfg, params, vocab) -> dict:
-    """Untrained eesd and kangaroo heads (copies of layer HEAD_EXIT) over draft vocabulary `vocab`."""
-    meta = lambda kind: {"kind": kind, "exit_layer": HEAD_EXIT, "model": heads.fingerprint(cfg),
+    """Untrained eesd and kangaroo heads (copies of layer HEAD_EXIT) and an eagle head (a copy of
+    the last layer) over draft vocabulary `vocab`."""
+    exit_layer = lambda kind: cfg.num_layers if kind == "eagle" else HEAD_EXIT
+    meta = lambda kind: {"kind": kind, "exit_layer": exit_layer(kind), "model": heads.fingerprint(cfg),
                          "draft_vocab": len(vocab)}
-    return {kind: str(heads.save(folder / kind, heads.init(params, cfg, kind, HEAD_EXIT, vocab), meta(kind)))
+    return {kind: str(heads.save(folder / kind, heads.init(params, cfg, kind, exit_layer(kind), vocab), meta(kind)))
             for kind in heads.KINDS}
 
 
@@ -242,7 +245,7 @@ def test_greedy_equals_ar_batch4(spec, drafter, controller):
 # Every drafter and every controller at batch 1 too.
 BATCH1 = [("draft", "heuristic"), ("early-exit-1", "thompson-beta"), ("early-exit-2", "dv"),
           ("layer-skip", "thompson-calibration"), ("ngram", "confidence"), ("layer-skip", "fixed"),
-          ("eesd", "thompson-beta"), ("kangaroo", "confidence")]
+          ("eesd", "thompson-beta"), ("kangaroo", "confidence"), ("eagle", "confidence")]
 
 
 @pytest.mark.parametrize("drafter, controller", BATCH1)
@@ -315,7 +318,7 @@ def test_unrelated_draft_model(spec, tmp_path_factory):
     check_lossless(spec, records, fixed_model_drafter=True)
 
 
-@pytest.mark.parametrize("drafter", ["eesd", "kangaroo", "draft", "layer-skip"])
+@pytest.mark.parametrize("drafter", ["eesd", "kangaroo", "eagle", "draft", "layer-skip"])
 def test_lookup_first_equals_ar(spec, drafter):
     """Prompt lookup in front of a model drafter: rounds of both kinds happen (at batch 1; at batch
     4 a round copies only when every live row found a repeat), and the output is ar's."""
@@ -455,6 +458,39 @@ def test_a_round_verifies_only_what_it_drafted(spec, proposes):
         assert len(VERIFIED_WIDTHS) == (sum(rounds) if batch_size == 1 else max(rounds))
 
 
+def eagle_drafts_by_recompute(model, hp, text) -> np.ndarray:
+    """What an eagle head drafts after each prefix of text [T], recomputed from scratch: the
+    target's final-normed states over the whole text, each read at the next position, the head
+    over every position (causal, so position t sees text[:t + 1] only), no cache kept."""
+    cfg, params = model.cfg, model.params
+    tokens = jnp.asarray(text, jnp.int32)[None]
+    h, _ = jmodel.forward(params, cfg, tokens, None, jmodel.KVCache.zeros(cfg, 1, len(text)))
+    prev = jnp.pad(heads.final_state(params, cfg, h)[:, :-1], ((0, 0), (1, 0), (0, 0)))
+    x, _ = heads.block(cfg, hp, heads.fuse_input(params, hp, tokens, prev), None, heads.empty_kv(cfg, hp, 1, len(text)))
+    return np.asarray(jnp.argmax(heads.vocab_logits(cfg, hp, x[0]), axis=-1))
+
+
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_eagle_drafts_what_a_recompute_drafts(spec, batch_size):
+    """Greedy, one draft a round: each row's accepted drafts are those a head recomputed over the
+    whole committed text would have drafted. The head's cache must then hold, for every committed
+    position (drafted and accepted, or not), the entry of the target's true previous state, which
+    `Eagle.accepted` writes after each round."""
+    hp = heads.draft_params(spec.free.params, heads.load(spec.heads["eagle"], spec.free.cfg)[0])
+    records = spec.free.generate(spec.prompts, method="eagle", head=spec.heads["eagle"], max_draft=1,
+                                 controller="fixed", max_new_tokens=NEW, batch_size=batch_size)
+    assert ids(records) == [row[:NEW] for row in spec.free_ar]
+    for prompt, out, record in zip(spec.prompts, spec.free_ar, records):
+        text, n, accepted = list(prompt["token_ids"]) + out, 1, 0
+        drafts = eagle_drafts_by_recompute(spec.free, hp, text)
+        at = len(prompt["token_ids"])  # the newest committed token's position
+        while n < NEW:
+            hit = int(drafts[at] == text[at + 1])
+            accepted, n, at = accepted + hit, n + 1 + hit, at + 1 + hit
+        assert record["stats"]["accepted"] == accepted
+    assert sum(r["stats"]["accepted"] for r in records) >= 4  # not vacuous
+
+
 def test_layer_skip_default_sets(default_model, spec):
     """The default model skips the set searched for it (shipped in checkpoints/); any other model
     every other layer of its middle half."""
@@ -590,6 +626,7 @@ SAMPLED = {
     "draft-filtered": dict(method="draft", max_draft=3, controller="fixed", temperature=0.8, top_k=6, top_p=0.9),
     "eesd": dict(method="eesd", max_draft=3),  # thompson; a draft vocabulary of 12 of the 16 tokens
     "kangaroo": dict(method="kangaroo", max_draft=3),  # confidence
+    "eagle": dict(method="eagle", max_draft=3),  # confidence
     # every token is in the prompt: every round copies (q one-hot), the head's state fed behind it;
     # batch 1 only (lookup is off above it), so fewer samples
     "eesd-lookup": dict(method="eesd", max_draft=3, lookup=1, lookup_draft=3),

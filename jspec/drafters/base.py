@@ -7,7 +7,8 @@ any, travel separately as `dparams`. It implements
     draft(params, dparams, cfg, state: LoopState, controller, sampling, key) -> Draft
     verify(params, dparams, cfg, tokens [B, K+1], positions [B, K+1], cache, dstate) -> (h, cache)
 
-and may override `target_logits` (what the loop accepts against) and `stats` (extra counters).
+and may override `target_logits` (what the loop accepts against), `accepted` (what it keeps of a
+round's verification) and `stats` (extra counters).
 
 `verify` returns the target's final hidden states for the fed tokens; the default runs the whole
 target, and self-speculative drafters override it to reuse work done while drafting.
@@ -68,6 +69,12 @@ class Drafter:
         token, then another proposer's draft) at positions [B, T], for a wrapper whose other
         proposer drafted them. Nothing to do by default: verification runs the whole target."""
         return cache, dstate
+
+    def accepted(self, params, dparams, cfg, dstate, fed, positions, h, n_acc):
+        """dstate after a round that fed tokens [B, W] at positions [B, W] (the newest committed
+        token, then the drafts), for which verification computed the target's states h [B, W, D],
+        and accepted n_acc [B] drafts. Nothing to do by default."""
+        return dstate
 
     def target_logits(self, params, dparams, cfg, h, dstate, sampling):
         """The target's logits [B, K+1, V] from verify's states: its final norm and LM head, which

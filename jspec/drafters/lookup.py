@@ -77,6 +77,10 @@ class Lookup(Drafter):
     def verify(self, params, dparams, cfg, tokens, positions, cache, dstate, width):
         return self.inner.verify(params, dparams["inner"], cfg, tokens, positions, cache, dstate["inner"], width)
 
+    def accepted(self, params, dparams, cfg, dstate, fed, positions, h, n_acc):
+        inner = self.inner.accepted(params, dparams["inner"], cfg, dstate["inner"], fed, positions, h, n_acc)
+        return {**dstate, "inner": inner}
+
     def target_logits(self, params, dparams, cfg, h, dstate, sampling):
         return self.inner.target_logits(params, dparams["inner"], cfg, h, dstate["inner"], sampling)
 

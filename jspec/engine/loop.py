@@ -135,7 +135,8 @@ def generate(params, dparams, cache: model.KVCache, tokens, packing: model.Packi
         emitted = jnp.concatenate([d.tokens, jnp.zeros((b, 1), jnp.int32)], axis=1)
         emitted = emitted.at[jnp.arange(b), n_acc].set(nxt)
         cstate = controller.update(d.cstate, d.n, n_acc, live)
-        s = dataclasses.replace(s, cache=cache, key=key, dstate=d.dstate, cstate=cstate,
+        dstate = drafter.accepted(params, dparams, cfg, d.dstate, fed, positions, h, n_acc)
+        s = dataclasses.replace(s, cache=cache, key=key, dstate=dstate, cstate=cstate,
                                 rounds=s.rounds + live, drafted=s.drafted + live * d.n,
                                 accepted=s.accepted + live * n_acc)
         top = top_logprobs(target_logits, logprobs) if logprobs else None

@@ -250,6 +250,9 @@ def make(model, prompts: list[dict], out, *, head: str | None = None, count: int
         raise JspecError("train-predictors needs --head PATH (a Kangaroo or EESD head): heads ship only for "
                          "the default model")
     kind = heads.read_meta(head)["kind"]
+    if kind == "eagle":
+        raise JspecError("SpecEE's candidates come from a head at a shallow layer of the forward: give a Kangaroo "
+                         "or EESD head, not an eagle head")
     requests = choose(model, prompts, count, max_prompt_tokens, seed)
     t0 = time.perf_counter()
     sequences = answer(model, requests, head, max_new_tokens=max_new_tokens, batch_size=batch_size, progress=progress)

@@ -1,7 +1,9 @@
 """Train a draft head (jspec.heads) by self-distillation from the target's own distributions.
 
 The target is frozen: its first N layers turn each training sequence (prompt + the target's own
-answer) into layer-N states (computed once, before the first step), the head maps them to draft logits over its draft vocabulary, and
+answer) into layer-N states (computed once, before the first step; for an EAGLE head, all its
+layers: the final-normed state of each previous position, beside the token's embedding), the head
+maps them to draft logits over its draft vocabulary, and
 the loss is the soft cross-entropy to the target's top-k next-token distribution (KL up to the
 teacher's constant entropy), renormalised over the draft vocabulary, plus optionally
 `ce_weight` x cross-entropy on the answer tokens. Only answer positions count: that is where a
@@ -161,11 +163,11 @@ def evaluate_head(lm, head: str | Path, folders: list, data_folders: int, fracti
     data = {k: v[rows] for k, v in data.items()}  # the frozen layers run on the held-out rows only
     arrays = _prepare(data, np.asarray(hp["vocab"]), lm.cfg.vocab_size)
     width = widths(data)
-    arrays["hidden"] = exit_states(lm.params, lm.cfg, meta["exit_layer"], data["tokens"], width, 2 * batch_size)
-    frozen = {"vocab": hp["vocab"], "lm_head": heads.draft_params(lm.params, hp)["lm_head"].astype(jnp.float32)}
+    arrays.update(head_inputs(lm.params, lm.cfg, meta["kind"], meta["exit_layer"], data["tokens"], width, 2 * batch_size))
+    frozen = _frozen(lm.params, hp)
     evaluate = jax.jit(lambda tr, batch: _losses(_forward(tr, frozen, lm.cfg, batch), batch, 0.0)[1])
-    return {**_evaluate(evaluate, {"layers": hp["layers"], "norm": hp["norm"]}, arrays, np.arange(len(rows)), width,
-                          batch_size),
+    trainable = {k: v for k, v in hp.items() if k != "vocab"}
+    return {**_evaluate(evaluate, trainable, arrays, np.arange(len(rows)), width, batch_size),
             "held_out_sequences": len(rows), "held_out_tokens": int(data["answer_lens"].sum())}
 
 
@@ -195,14 +197,27 @@ class ExitStates:
         return out
 
 
-def exit_states(params, cfg, exit_layer: int, tokens: np.ndarray, width: np.ndarray, batch_size: int) -> ExitStates:
+def head_inputs(params, cfg, kind: str, exit_layer: int, tokens: np.ndarray, width: np.ndarray,
+                batch_size: int) -> dict:
+    """What the head reads besides its own parameters: `hidden`, the states of `exit_states`, and
+    for an EAGLE head the `tokens` it embeds."""
+    hidden = exit_states(params, cfg, exit_layer, tokens, width, batch_size, previous_final=kind == "eagle")
+    return {"hidden": hidden, **({"tokens": tokens} if kind == "eagle" else {})}
+
+
+def exit_states(params, cfg, exit_layer: int, tokens: np.ndarray, width: np.ndarray, batch_size: int,
+                previous_final: bool = False) -> ExitStates:
     """The frozen target's layer-N hidden states of every sequence up to its `width`, computed
     once: the head trains for many epochs on them, and they are most of a step's work otherwise.
-    Rows run in order of width, each batch at its widest row's."""
+    With `previous_final` (an EAGLE head; N = L), each position holds the final-normed state of
+    the position before it, zeros at the first. Rows run in order of width, each batch at its
+    widest row's."""
     @jax.jit
     def run(tokens):
         cache = M.KVCache.zeros(cfg, *tokens.shape)
         h, _ = M.run_layers(params, cfg, M.embed(params, tokens), None, cache, range(exit_layer))
+        if previous_final:
+            h = jnp.pad(heads.final_state(params, cfg, h)[:, :-1], ((0, 0), (1, 0), (0, 0)))
         return h.astype(jnp.float32)
 
     width = np.asarray(width, np.int64)
@@ -219,12 +234,25 @@ def exit_states(params, cfg, exit_layer: int, tokens: np.ndarray, width: np.ndar
 
 
 def _batch(arrays: dict, rows: np.ndarray, width: int) -> dict:
-    return {k: jnp.asarray(v.rows(rows, width) if k == "hidden" else v[rows]) for k, v in arrays.items()}
+    def take(k, v):
+        if k == "hidden":
+            return v.rows(rows, width)
+        return v[rows, :width] if k == "tokens" else v[rows]
+    return {k: jnp.asarray(take(k, v)) for k, v in arrays.items()}
+
+
+def _frozen(params, hp: dict) -> dict:
+    """What training reads of the target: the LM head's rows of the draft vocabulary, and for an
+    EAGLE head the embedding."""
+    return {"vocab": hp["vocab"], "lm_head": heads.draft_params(params, hp)["lm_head"].astype(jnp.float32),
+            **({"embed": params["embed"]} if "fuse" in hp else {})}
 
 
 def _forward(trainable, frozen, cfg, batch):
     """Draft log-probs over the draft vocabulary at the answer positions [B, A, M]."""
     h, prompt_lens = batch["hidden"], batch["prompt_lens"]
+    if "fuse" in trainable:
+        h = heads.fuse_input(frozen, trainable, batch["tokens"], h)
     b, length = h.shape[:2]
     hp = {**trainable, "vocab": frozen["vocab"]}
     x, _ = heads.block(cfg, hp, h, None, heads.empty_kv(cfg, hp, b, length))
@@ -267,7 +295,10 @@ def train(lm, data_dirs, out, recipe: Recipe, eval_dirs=(), progress: bool = Tru
 
     recipe.check()
     cfg, params = lm.cfg, lm.params
-    if not 1 <= recipe.exit_layer < cfg.num_layers:
+    if recipe.kind == "eagle" and recipe.exit_layer != cfg.num_layers:
+        raise JspecError(f"an eagle head reads the last layer's state: --exit-layer {cfg.num_layers} (or none), "
+                         f"not {recipe.exit_layer}")
+    if not 1 <= recipe.exit_layer < cfg.num_layers + (recipe.kind == "eagle"):
         raise JspecError(f"--exit-layer must be between 1 and {cfg.num_layers - 1}, got {recipe.exit_layer}")
     data_dirs = [data_dirs] if isinstance(data_dirs, (str, Path)) else list(data_dirs)
     folders = [str(Path(f).absolute()) for f in [*data_dirs, *eval_dirs]]
@@ -289,9 +320,9 @@ def train(lm, data_dirs, out, recipe: Recipe, eval_dirs=(), progress: bool = Tru
         hp = heads.init(params, cfg, recipe.kind, recipe.exit_layer, vocab, recipe.head_layers)
     arrays = _prepare(data, vocab, cfg.vocab_size)
     width = widths(data)
-    arrays["hidden"] = exit_states(params, cfg, recipe.exit_layer, data["tokens"], width, 2 * recipe.batch_size)
-    frozen = {"vocab": hp["vocab"], "lm_head": heads.draft_params(params, hp)["lm_head"].astype(jnp.float32)}
-    trainable = {"layers": hp["layers"], "norm": hp["norm"]}
+    arrays.update(head_inputs(params, cfg, recipe.kind, recipe.exit_layer, data["tokens"], width, 2 * recipe.batch_size))
+    frozen = _frozen(params, hp)
+    trainable = {k: v for k, v in hp.items() if k != "vocab"}
 
     schedule = optax.warmup_cosine_decay_schedule(0.0, recipe.lr, recipe.warmup, max(recipe.steps, recipe.warmup + 1),
                                                   end_value=recipe.lr / 10)

@@ -61,9 +61,9 @@ def init(params, cfg: ModelConfig, kind: str, exit_layer: int, vocab: jax.Array,
     first = cfg.num_layers - depth if kind == "eagle" else exit_layer
     if kind == "eagle" and exit_layer != cfg.num_layers:
         raise JspecError(f"an eagle head reads the last layer's state: exit layer {cfg.num_layers}, not {exit_layer}")
-    if not 1 <= depth <= cfg.num_layers - (0 if kind == "eagle" else exit_layer):
-        raise JspecError(f"a head exiting at layer {exit_layer} has 1 to {cfg.num_layers - exit_layer} layers, "
-                         f"not {depth}")
+    most = cfg.num_layers - (0 if kind == "eagle" else exit_layer)
+    if not 1 <= depth <= most:
+        raise JspecError(f"a {kind} head exiting at layer {exit_layer} has 1 to {most} layers, not {depth}")
     names = _ATTENTION + (_MLP if kind != "kangaroo" else ())
     layers = [{k: jnp.array(src[k], jnp.float32) for k in names if k in src}
               for src in params["layers"][first:first + depth]]

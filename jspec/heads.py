@@ -52,18 +52,26 @@ _ATTENTION = ("attn_norm", "wqkv", "bqkv", "wo")
 _MLP = ("mlp_norm", "w_gate_up", "w_down")
 
 
+def exit_layers(kind: str, cfg: ModelConfig) -> range:
+    """The exit layers a head of `kind` may record: 1 .. L-1, the layer whose state it reads, or L
+    for an eagle head, which reads the last layer's."""
+    return range(cfg.num_layers, cfg.num_layers + 1) if kind == "eagle" else range(1, cfg.num_layers)
+
+
 def init(params, cfg: ModelConfig, kind: str, exit_layer: int, vocab: jax.Array, depth: int = 1) -> dict:
     """Head parameters: `depth` layers copied from the target's layers exit_layer, exit_layer + 1, ...
     (for an EAGLE head, exit_layer = L: its last `depth` layers) and its final norm. An EAGLE
     head's `fuse` starts as the sum of the state and the embedding."""
     if kind not in KINDS:
         raise JspecError(f"unknown head kind {kind!r}; choose one of {', '.join(KINDS)}")
+    if exit_layer not in exit_layers(kind, cfg):
+        raise JspecError(f"an eagle head reads the last layer's state: exit layer {cfg.num_layers}, not {exit_layer}"
+                         if kind == "eagle" else
+                         f"{kind} heads exit at layers 1 to {cfg.num_layers - 1}, not {exit_layer}")
     first = cfg.num_layers - depth if kind == "eagle" else exit_layer
-    if kind == "eagle" and exit_layer != cfg.num_layers:
-        raise JspecError(f"an eagle head reads the last layer's state: exit layer {cfg.num_layers}, not {exit_layer}")
     most = cfg.num_layers - (0 if kind == "eagle" else exit_layer)
     if not 1 <= depth <= most:
-        raise JspecError(f"a {kind} head exiting at layer {exit_layer} has 1 to {most} layers, not {depth}")
+        raise JspecError(f"{kind} heads exiting at layer {exit_layer} have 1 to {most} layers, not {depth}")
     names = _ATTENTION + (_MLP if kind != "kangaroo" else ())
     layers = [{k: jnp.array(src[k], jnp.float32) for k in names if k in src}
               for src in params["layers"][first:first + depth]]
@@ -186,7 +194,7 @@ def load(path: str | os.PathLike, cfg: ModelConfig, mesh: Mesh | None = None) ->
     path = Path(path).absolute()
     meta = read_meta(path)
     check_fingerprint(meta["model"], cfg, f"head {path} was trained")
-    if not 1 <= meta["exit_layer"] < cfg.num_layers + (meta["kind"] == "eagle"):
+    if meta["exit_layer"] not in exit_layers(meta["kind"], cfg):
         raise JspecError(f"head {path} exits at layer {meta['exit_layer']}, outside this model's layers")
     target = store.saved_tree(path / "params")
     shardings = sharding.param_shardings(target, mesh) if mesh is not None else None

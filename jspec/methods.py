@@ -32,9 +32,9 @@ from jspec.errors import JspecError
 LOSSLESS = ("ar", "draft", "eagle", "early-exit", "eesd", "kangaroo", "knn-ssd", "layer-skip", "ngram")
 LOSSY = ("mjsd", "specee")  # output differs from ar's: jspec bench reports their quality (jspec.quality)
 METHODS = LOSSLESS + LOSSY
-DEFAULT_CONTROLLER = {"ar": "fixed", "draft": "fixed", "eagle": "confidence", "early-exit": "confidence", "eesd": "thompson",
-                      "kangaroo": "confidence", "knn-ssd": "confidence", "layer-skip": "dv", "ngram": "fixed",
-                      "mjsd": "fixed", "specee": "fixed"}
+DEFAULT_CONTROLLER = {"ar": "fixed", "draft": "fixed", "eagle": "confidence", "early-exit": "confidence",
+                      "eesd": "thompson", "kangaroo": "confidence", "knn-ssd": "confidence", "layer-skip": "dv",
+                      "ngram": "fixed", "mjsd": "fixed", "specee": "fixed"}
 MAX_DRAFT = 8
 # MJSD drafts K = 4 tokens in W = 4 beams with tau = 0.5, the reference's settings (docs/methods.md).
 MJSD_MAX_DRAFT = 4

@@ -163,7 +163,8 @@ def evaluate_head(lm, head: str | Path, folders: list, data_folders: int, fracti
     data = {k: v[rows] for k, v in data.items()}  # the frozen layers run on the held-out rows only
     arrays = _prepare(data, np.asarray(hp["vocab"]), lm.cfg.vocab_size)
     width = widths(data)
-    arrays.update(head_inputs(lm.params, lm.cfg, meta["kind"], meta["exit_layer"], data["tokens"], width, 2 * batch_size))
+    arrays.update(head_inputs(lm.params, lm.cfg, meta["kind"], meta["exit_layer"], data["tokens"], width,
+                              2 * batch_size))
     frozen = _frozen(lm.params, hp)
     evaluate = jax.jit(lambda tr, batch: _losses(_forward(tr, frozen, lm.cfg, batch), batch, 0.0)[1])
     trainable = {k: v for k, v in hp.items() if k != "vocab"}
@@ -295,11 +296,10 @@ def train(lm, data_dirs, out, recipe: Recipe, eval_dirs=(), progress: bool = Tru
 
     recipe.check()
     cfg, params = lm.cfg, lm.params
-    if recipe.kind == "eagle" and recipe.exit_layer != cfg.num_layers:
+    if recipe.exit_layer not in heads.exit_layers(recipe.kind, cfg):
         raise JspecError(f"an eagle head reads the last layer's state: --exit-layer {cfg.num_layers} (or none), "
-                         f"not {recipe.exit_layer}")
-    if not 1 <= recipe.exit_layer < cfg.num_layers + (recipe.kind == "eagle"):
-        raise JspecError(f"--exit-layer must be between 1 and {cfg.num_layers - 1}, got {recipe.exit_layer}")
+                         f"not {recipe.exit_layer}" if recipe.kind == "eagle" else
+                         f"--exit-layer must be between 1 and {cfg.num_layers - 1}, got {recipe.exit_layer}")
     data_dirs = [data_dirs] if isinstance(data_dirs, (str, Path)) else list(data_dirs)
     folders = [str(Path(f).absolute()) for f in [*data_dirs, *eval_dirs]]
     data_metas, data = load_data(folders)
@@ -320,7 +320,8 @@ def train(lm, data_dirs, out, recipe: Recipe, eval_dirs=(), progress: bool = Tru
         hp = heads.init(params, cfg, recipe.kind, recipe.exit_layer, vocab, recipe.head_layers)
     arrays = _prepare(data, vocab, cfg.vocab_size)
     width = widths(data)
-    arrays.update(head_inputs(params, cfg, recipe.kind, recipe.exit_layer, data["tokens"], width, 2 * recipe.batch_size))
+    arrays.update(head_inputs(params, cfg, recipe.kind, recipe.exit_layer, data["tokens"], width,
+                              2 * recipe.batch_size))
     frozen = _frozen(params, hp)
     trainable = {k: v for k, v in hp.items() if k != "vocab"}
 

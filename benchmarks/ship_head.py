@@ -6,7 +6,8 @@ The card's speedup is the head's method (`eesd`, `kangaroo` or `eagle`, run on t
 its defaults) over jspec `ar`, mean tokens/s over the same prompts at batch 1 in that results
 file (the Spec-Bench run of docs/benchmarks.md). When the results measured the head before it was
 shipped, `--method` names its rows (e.g. `eesd:head=/path/to/it`). `--lookup-results` adds the
-speedup of the shipped head behind prompt lookup (rows `KIND:lookup=2` of that file).
+speedup of the head behind prompt lookup (rows `KIND:lookup=2` of that file, or `METHOD;lookup=2`
+with `--method`).
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def main() -> None:
     ap.add_argument("head")
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results.jsonl"))
     ap.add_argument("--method", help="the results' method for this head (default: its kind)")
-    ap.add_argument("--lookup-results", help="a run with rows KIND:lookup=2 (the shipped head behind prompt lookup)")
+    ap.add_argument("--lookup-results",
+                    help="a run with rows KIND:lookup=2, or METHOD;lookup=2 (the head behind prompt lookup)")
     args = ap.parse_args()
     src = Path(args.head)
     meta = json.loads((src / "head.json").read_text())
@@ -101,9 +103,11 @@ def main() -> None:
     speedup, accepted, prompts = speed(read(args.results), args.method or kind)
     lookup_row = ""
     if args.lookup_results:
-        x, a, q = speed(read(args.lookup_results), f"{kind}:lookup=2")
+        method = f"{args.method};lookup=2" if args.method else f"{kind}:lookup=2"
+        x, a, q = speed(read(args.lookup_results), method)
+        run = "the same run" if Path(args.lookup_results).resolve() == Path(args.results).resolve() else "another run"
         lookup_row = (f"\n| the same behind prompt lookup (`--lookup 2`) | {x:.2f}x, {a:.2f} mean accepted tokens "
-                      f"({q} questions, another run; docs/benchmarks.md) |")
+                      f"({q} questions, {run}; docs/benchmarks.md) |")
     commands = reproduce(kind, n, t, f"{kind}-head", {})
     dest = DEST / kind
     if dest.resolve() != src.resolve():

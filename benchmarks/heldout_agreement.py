@@ -28,7 +28,8 @@ def main() -> None:
     print("| --- | --- | ---: | ---: | ---: | ---: |")
     for head in args.heads:
         meta = read_meta(head)
-        m = train.evaluate_head(lm, head, args.data + args.eval_data, len(args.data), args.eval_fraction, args.seed)
+        m = train.evaluate_head(lm, head, args.data + args.eval_data, len(args.data), args.eval_fraction, args.seed,
+                                progress=True)
         print(f"| {head} | {meta['kind']} | {meta['exit_layer']} | {m['agreement']:.3f} | "
               f"{m['expected_acceptance']:.3f} | {m['held_out_tokens']} |", flush=True)
 

@@ -154,9 +154,9 @@ def held_out(data: dict, data_folders: int, fraction: float, seed: int) -> tuple
 
 
 def evaluate_head(lm, head: str | Path, folders: list, data_folders: int, fraction: float = 0.05, seed: int = 0,
-                  batch_size: int = 8) -> dict:
+                  batch_size: int = 8, progress: bool = False) -> dict:
     """Held-out metrics of a saved head on the rows `held_out` picks (the same as `train` with
-    these folders, fraction and seed)."""
+    these folders, fraction and seed); `progress` shows the frozen-states pass, as `train` does."""
     hp, meta = heads.load(head, lm.cfg)
     _, data = load_data(folders)
     _, rows = held_out(data, data_folders, fraction, seed)
@@ -164,7 +164,7 @@ def evaluate_head(lm, head: str | Path, folders: list, data_folders: int, fracti
     arrays = _prepare(data, np.asarray(hp["vocab"]), lm.cfg.vocab_size)
     width = widths(data)
     arrays.update(head_inputs(lm.params, lm.cfg, meta["kind"], meta["exit_layer"], data["tokens"], width,
-                              2 * batch_size))
+                              2 * batch_size, progress))
     frozen = _frozen(lm.params, hp)
     evaluate = jax.jit(lambda tr, batch: _losses(_forward(tr, frozen, lm.cfg, batch), batch, 0.0)[1])
     trainable = {k: v for k, v in hp.items() if k != "vocab"}

@@ -451,7 +451,7 @@ def cmd_env(args: argparse.Namespace) -> int:
     except RuntimeError as e:  # a backend that cannot start is what the report is about
         rows.append(("jax devices", f"unavailable: {_one_line(e)}"))
     rows.append(("native kernel", f"not used: {native.unavailable}" if native.unavailable
-                 else f"used on a CPU for {native.MIN_ROWS}-{native.MAX_ROWS} float32 rows and every bfloat16 weight, "
+                 else f"used on a CPU for up to {native.MAX_ROWS} float32 rows and every bfloat16 weight, "
                       f"and for attention over up to {native.MAX_QUERIES} positions a row"))
     try:
         gguf = cache.default_gguf()

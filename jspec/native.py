@@ -26,12 +26,13 @@ import jax.numpy as jnp
 import numpy as np
 
 TARGETS = {jnp.dtype(jnp.float32): "jspec_matmul", jnp.dtype(jnp.bfloat16): "jspec_matmul_bf16"}
-# The float32 rows it is used for (docs/design.md, "Few rows"): one row is XLA's own
-# matrix-vector kernel, which was as fast or faster; above 32 the multiply-and-sum of
-# `model.linear` is as fast. A bfloat16 weight takes it at every row count: XLA converts the
-# whole weight before its matmul, and its multiply-and-sum ran 13x slower inside the decoding
-# loop than alone; and the kernel gives a row the same bits at every row count.
-MIN_ROWS, MAX_ROWS = 2, 32
+# The most float32 rows it is used for (docs/design.md, "Few rows"): above 32 the
+# multiply-and-sum of `model.linear` is as fast. One row takes it too: a decode step ran 13-19%
+# faster than with XLA's matrix-vector kernel (docs/benchmarks.md, "One row through the kernel"),
+# and a row then gets the same bits in a decode step as in a verification. A bfloat16 weight takes
+# it at every row count: XLA converts the whole weight before its matmul, and its
+# multiply-and-sum ran 13x slower inside the decoding loop than alone.
+MAX_ROWS = 32
 # Query positions per row the attention kernel takes: decode steps, verifications and beams. A
 # prefill's blocks of 64 stay XLA's, whose matmuls were faster there (docs/benchmarks.md,
 # "Attention kernel": 0.83-0.92x with the kernel over one 896-token prompt).
@@ -67,7 +68,7 @@ def takes(x: jax.Array, w: jax.Array, rows: int) -> bool:
     """Whether `model.linear` multiplies x (`rows` rows) by w with the kernel."""
     if not enabled or x.dtype != jnp.float32 or jax.default_backend() != "cpu":
         return False
-    return w.dtype == jnp.bfloat16 or (w.dtype == jnp.float32 and MIN_ROWS <= rows <= MAX_ROWS)
+    return w.dtype == jnp.bfloat16 or (w.dtype == jnp.float32 and rows <= MAX_ROWS)
 
 
 @jax.custom_jvp

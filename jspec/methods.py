@@ -65,7 +65,9 @@ EXIT_THRESHOLD = 0.95
 # (2 positions at 1.06-1.28 steps) K = 1 is still the fastest, now by 0.13-0.17x `ar` over K = 2
 # (docs/heads.md, "Draft length"), and with verification as wide as the draft K = 4 under the
 # heads' controllers still measured 1.07-1.10x against K = 1's 1.20x (docs/benchmarks.md, "A
-# verification as wide as the round's drafts"). Accelerators verify a few positions for about one
+# verification as wide as the round's drafts"). With the kernel prefetching into L2 (2026-11-27) a
+# verification of 2-4 drafts costs about 1.1 steps, and K = 2 and 4 still lost 0-0.06x to K = 1
+# (docs/benchmarks.md, "Prefetching into L2"). Accelerators verify a few positions for about one
 # step's price.
 def default_max_draft(method: str) -> int:
     if method in HEAD_METHODS:

@@ -49,12 +49,14 @@ AVX2 void Tile(const float* x, const W* w, int64_t d, __m256i tail, float* out, 
     for (int n = 0; n < NB; ++n) acc[r][n] = _mm256_setzero_ps();
   // The next tile's weight rows follow these in memory: fetch them while this tile computes
   // (two lines per step cover NB <= 4 rows; past the end of w a prefetch is a harmless hint).
-  // It helped 2 to 16 rows in a microbenchmark.
+  // Into L2, not L1: fetched into L1 they made a forward over 3 to 13 rows 22-28% slower on an
+  // AVX-512 AMD EPYC host, where into L2 the weight streams at about the memory's pace up to 5
+  // rows (docs/design.md, "Prefetching into L2").
   const char* next = reinterpret_cast<const char*>(w + NB * d);
   int64_t k = 0;
   for (; k + 8 <= d; k += 8) {
-    _mm_prefetch(next + sizeof(W) * NB * k, _MM_HINT_T0);
-    _mm_prefetch(next + sizeof(W) * NB * k + 64, _MM_HINT_T0);
+    _mm_prefetch(next + sizeof(W) * NB * k, _MM_HINT_T1);
+    _mm_prefetch(next + sizeof(W) * NB * k + 64, _MM_HINT_T1);
     __m256 wv[NB];
     for (int n = 0; n < NB; ++n) wv[n] = Load8(w + n * d + k);
     for (int r = 0; r < RB; ++r) {

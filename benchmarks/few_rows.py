@@ -45,7 +45,9 @@ def compiled(use_native: bool, build):
     return build()
 
 
-def forward_programs(m):
+def forward_programs(m, rows=ROWS):
+    """(build, args): build() compiles a forward over each of `rows` positions (one row, float32
+    linears through whatever `native` says at trace time); args(r) are a program's arguments."""
     @functools.partial(jax.jit, donate_argnums=1)
     def step(params, cache, tokens, positions):
         h, cache = M.forward(params, m.cfg, tokens, positions, cache)
@@ -57,30 +59,33 @@ def forward_programs(m):
 
     def build():
         out = {}
-        for r in ROWS:
+        for r in rows:
             lowered = step.lower(m.params, *args(r))
-            assert ("jspec_matmul" in lowered.as_text()) == (native.enabled and r <= native.MAX_ROWS)
+            target = native.TARGETS[jnp.dtype(jnp.float32)]
+            assert (target in lowered.as_text()) == (native.enabled and r <= native.MAX_ROWS)
             out[r] = lowered.compile()
         return out
     return build, args
 
 
-def time_forwards(m) -> dict:
-    build, args = forward_programs(m)
-    paths = {"native": compiled(True, build), "jax": compiled(False, build)}
-    times = {(p, r): [] for p in paths for r in ROWS}
+def time_forwards(m, paths: dict, args, rows=ROWS, calls=CALLS) -> tuple[dict, dict]:
+    """Each path's programs (R -> compiled forward, from forward_programs) called in turn, `calls`
+    times per R, ROUNDS times: the median ms per (path, R), and each path's last logits per R."""
+    times = {(p, r): [] for p in paths for r in rows}
+    logits = {}
     for _ in range(ROUNDS):
-        for r in ROWS:
+        for r in rows:
             state = {p: args(r) for p in paths}
-            for _ in range(CALLS):
+            for _ in range(calls):
                 for p, programs in paths.items():
                     cache, tokens, positions = state[p]
                     start = time.perf_counter()
-                    logits, cache = programs[r](m.params, cache, tokens, positions)
-                    logits.block_until_ready()
+                    out, cache = programs[r](m.params, cache, tokens, positions)
+                    out.block_until_ready()
                     times[p, r].append(time.perf_counter() - start)
                     state[p] = cache, tokens, positions
-    return {k: float(np.median(v)) * 1e3 for k, v in times.items()}
+                    logits[p, r] = out
+    return {k: float(np.median(v)) * 1e3 for k, v in times.items()}, logits
 
 
 def time_ar(m) -> tuple[dict, bool]:
@@ -110,7 +115,8 @@ def main() -> None:
     if native.unavailable:
         raise SystemExit(f"the native kernel is unavailable: {native.unavailable}")
     m = jspec.load(dtype="float32")
-    ms = time_forwards(m)
+    build, args = forward_programs(m)
+    ms, _ = time_forwards(m, {"native": compiled(True, build), "jax": compiled(False, build)}, args)
     step = ms["jax", 1]
     print(f"Forward over R positions (B = 1), median of {ROUNDS} x {CALLS}; 'steps' = / the JAX path's "
           f"1-position step ({step:.1f} ms)\n")

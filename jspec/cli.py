@@ -103,7 +103,8 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
                    help="draft: a smaller model sharing the target's tokenizer")
     d.add_argument("--head", default=None, metavar="PATH",
                    help="eesd, kangaroo, eagle: a head from jspec train-head (default: the one shipped for the "
-                        "default model); specee: the head its predictors were trained over")
+                        "default model); mjsd: the head its beams run (any of the three kinds); specee: the head "
+                        "its predictors were trained over")
     d.add_argument("--knn", default=None, metavar="PATH",
                    help="knn-ssd: a folder from jspec fit-knn (default: the one shipped for the default model)")
     d.add_argument("--domain", default=None, metavar="NAME",

@@ -226,8 +226,6 @@ def _mjsd(model, k, exit_layer, draft_model, head, beam_width, accept_threshold)
         inner, dparams, ctrl = build("draft", model, max_draft=k, controller="fixed", draft_model=draft_model)
     elif head is not None or (exit_layer is None and shipped(model, "eesd") is not None):
         kind = heads.read_meta(head)["kind"] if head is not None else "eesd"
-        if kind == "eagle":
-            raise JspecError("--method mjsd beams over an eesd or kangaroo head, not an eagle head")
         inner, dparams, ctrl = build(kind, model, max_draft=k, controller="fixed", exit_layer=exit_layer, head=head)
     elif exit_layer == model.cfg.num_layers:
         inner, dparams, ctrl = EarlyExit(max_draft=k, exit_layer=exit_layer), (), make_controller("fixed")

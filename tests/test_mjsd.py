@@ -145,11 +145,22 @@ def head_path(small, tmp_path_factory):
                           heads.init(model.params, model.cfg, "eesd", 1, vocab), meta))
 
 
-@pytest.mark.parametrize("drafter", ["head", pytest.param("draft-model", marks=pytest.mark.slow)])
-def test_batch_rows_equal_batch_one(small, head_path, drafter):
+@pytest.fixture(scope="module")
+def eagle_path(small, tmp_path_factory):
     model, _ = small
-    if drafter == "head":
-        opts = dict(head=head_path)
+    layers = model.cfg.num_layers
+    meta = {"kind": "eagle", "exit_layer": layers, "model": heads.fingerprint(model.cfg)}
+    hp = heads.init(model.params, model.cfg, "eagle", layers, np.arange(1, 16, dtype=np.int32))
+    # The fuse starts as state + embedding; a random one makes the beams' states matter.
+    hp["fuse"] = jax.random.normal(jax.random.key(5), hp["fuse"].shape) * 0.5
+    return str(heads.save(tmp_path_factory.mktemp("mjsd-eagle") / "eagle", hp, meta))
+
+
+@pytest.mark.parametrize("drafter", ["head", "eagle", pytest.param("draft-model", marks=pytest.mark.slow)])
+def test_batch_rows_equal_batch_one(small, head_path, eagle_path, drafter):
+    model, _ = small
+    if drafter in ("head", "eagle"):
+        opts = dict(head=head_path if drafter == "head" else eagle_path)
     else:
         dcfg = dataclasses.replace(model.cfg, num_layers=1)
         opts = dict(draft_model=Model(dcfg, {**model.params, "layers": model.params["layers"][:1]}, name="d"))
@@ -170,10 +181,12 @@ def test_mesh_equals_one_device(small, head_path):
         assert _ids(sharded.generate(PROMPTS, batch_size=batch, **opts)) == _ids(model.generate(PROMPTS, **opts))
 
 
-def test_beams_never_read_each_others_entries(small, head_path):
+@pytest.mark.parametrize("kind", ["eesd", "eagle"])
+def test_beams_never_read_each_others_entries(small, head_path, eagle_path, kind):
     model, _ = small
     cfg, w, k, j = model.cfg, 4, 4, 2
-    drafter, dparams, _ = methods.build("mjsd", model, head=head_path, beam_width=w, max_draft=k)
+    path = head_path if kind == "eesd" else eagle_path
+    drafter, dparams, _ = methods.build("mjsd", model, head=path, beam_width=w, max_draft=k)
     tokens, packing = jax.tree.map(jnp.asarray, api.pack([PROMPTS[0]["token_ids"]]))
     lens = packing.lens
     prefill = jax.jit(lambda p, d, c: drafter.prefill(p, d, cfg, tokens, packing, c))
@@ -182,23 +195,30 @@ def test_beams_never_read_each_others_entries(small, head_path):
     keys = iter(jax.random.split(jax.random.key(1), 64))
     entries = [tuple(jax.random.normal(next(keys), x.shape) for x in kv) for kv in empty_entries(stack, 1, w, k)]
     x = jnp.array([[3, 4, 5, 6]], jnp.int32)
-    step = jax.jit(lambda e: beam_step(stack, x, lens, j, e)[0])
-    base = step(entries)
-    # Beam 1's entries, every slot, every layer: only beam 1's logits may move.
-    moved = step([tuple(e.at[:, 1].add(5.0) for e in kv) for kv in entries])
-    np.testing.assert_array_equal(np.asarray(moved)[:, [0, 2, 3]], np.asarray(base)[:, [0, 2, 3]])
-    assert not np.allclose(np.asarray(moved)[:, 1], np.asarray(base)[:, 1])
+    prev = jax.random.normal(next(keys), (1, w, cfg.hidden_size))
+    step = jax.jit(lambda e, prev: beam_step(stack, x, lens, j, e, prev)[0])
+    base = np.asarray(step(entries, prev))
+    # Beam 1's entries, every slot, every layer (and an EAGLE head's state of beam 1): only beam
+    # 1's logits may move.
+    moved = [np.asarray(step([tuple(e.at[:, 1].add(5.0) for e in kv) for kv in entries], prev))]
+    if kind == "eagle":
+        moved.append(np.asarray(step(entries, prev.at[:, 1].add(5.0))))
+    for m in moved:
+        np.testing.assert_array_equal(m[:, [0, 2, 3]], base[:, [0, 2, 3]])
+        assert not np.allclose(m[:, 1], base[:, 1])
 
 
-@pytest.mark.slow  # 40 s here: two drafters compile
-def test_one_beam_drafts_and_caches_like_the_token_by_token_drafter(small, head_path):
+@pytest.mark.parametrize("kind", [pytest.param("eesd", marks=pytest.mark.slow), "eagle"])  # eesd: 40 s here
+def test_one_beam_drafts_and_caches_like_the_token_by_token_drafter(small, head_path, eagle_path, kind):
     """W = 1 beam search is greedy drafting: the same tokens, and the same cache, layer-N states
-    and head entries left behind for verification."""
+    and head entries left behind for verification (over an EAGLE head, each token fused with the
+    head's state for the token before it)."""
     import types
 
     model, _ = small
     cfg, k = model.cfg, 3
-    beam, dparams, ctrl = methods.build("mjsd", model, head=head_path, beam_width=1, max_draft=k)
+    path = head_path if kind == "eesd" else eagle_path
+    beam, dparams, ctrl = methods.build("mjsd", model, head=path, beam_width=1, max_draft=k)
     tokens, packing = jax.tree.map(jnp.asarray, api.pack([PROMPTS[0]["token_ids"][:6], PROMPTS[2]["token_ids"][:5]]))
     lens = packing.lens
 
@@ -213,10 +233,13 @@ def test_one_beam_drafts_and_caches_like_the_token_by_token_drafter(small, head_
     want, got = (draft(model.params, dparams, KVCache.zeros(cfg, 2, 32), b) for b in (False, True))
     assert got.tokens.tolist() == want.tokens.tolist() and got.n.tolist() == want.n.tolist() == [k, k]
     close = lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
-    close(got.dstate["hidden"], want.dstate["hidden"])
-    for i in range(cfg.num_layers):  # the prompts and this round's entries, up to position 6 + k
-        close(got.cache.k[i][:, :7 + k], want.cache.k[i][:, :7 + k])
-        close(got.cache.v[i][:, :7 + k], want.cache.v[i][:, :7 + k])
+    if kind == "eesd":
+        close(got.dstate["hidden"], want.dstate["hidden"])
+        for i in range(cfg.num_layers):  # the prompts and this round's entries, up to position 6 + k
+            close(got.cache.k[i][:, :7 + k], want.cache.k[i][:, :7 + k])
+            close(got.cache.v[i][:, :7 + k], want.cache.v[i][:, :7 + k])
+    else:
+        assert len(set(got.tokens[0].tolist())) > 1  # the drafts vary: the fed-back states are read
     for name in ("k", "v"):  # each head layer's entries
         for g, w in zip(got.dstate["head"][name], want.dstate["head"][name], strict=True):
             close(g[:, :7 + k], w[:, :7 + k])

@@ -1,8 +1,10 @@
 """MJSD's beam drafter: W beams over K draft tokens, verified by joint likelihood (jspec.acceptance.joint).
 
 It wraps a drafter that runs a stack of layers token by token: the early-exit drafter (the target's
-first N layers, then a trained head or the target's own LM head) or a separate draft model. All W
-beams go through the stack as W rows of one forward at the same position. Each layer attends over
+first N layers, then a trained head or the target's own LM head), an EAGLE head (no target layer:
+each beam's token fused with the state its parent beam's step left, as jspec.drafters.eagle drafts)
+or a separate draft model. All W beams go through the stack as W rows of one forward at the same
+position. Each layer attends over
 
     the committed prefix, kept once: the drafter's own cache, positions < length (read only), and
     the beam's draft entries [B, W, K, kv heads, H]: slot j is the token fed at position length + j.
@@ -31,20 +33,34 @@ from jspec import acceptance, heads, model
 from jspec.config import ModelConfig
 from jspec.drafters.base import Draft, Drafter
 from jspec.drafters.draft_model import DraftModel
+from jspec.drafters.eagle import Eagle
 from jspec.drafters.early_exit import EarlyExit
 from jspec.sampling import Sampling, probabilities
 
 
 @dataclasses.dataclass
+class Feedback:
+    """An EAGLE head's input: each token fused with a state (jspec.heads.fuse_input), the target's
+    before the first drafted token, then the head's own output for the token before it."""
+
+    fuse: Callable  # (tokens [B, W], states [B, W, D]) -> inputs [B, W, D]
+    state: Callable  # the head's output h [B, W, D] -> the state the next token is fused with
+    first: jax.Array  # [B, D] the state before the first drafted token
+
+
+@dataclasses.dataclass
 class Stack:
     """What one beam step runs: embedding, the trunk (whose output is the exit state an early-exit
-    verifier continues from), the head layers, and the readout to draft logits."""
+    verifier continues from), the head layers, and the readout to draft logits. With `feedback` (an
+    EAGLE head) the input is the token fused with its parent beam's state, and the step's state is
+    the one the next token is fused with."""
 
     cfg: ModelConfig
     embed: dict  # params holding "embed"
     trunk: list  # [(layer params, prefix k [B, S, KV, H], prefix v)]
     head: list  # the same, for layers after the exit state
     readout: Callable  # h [B, W, D] -> logits [B, W, V]
+    feedback: Feedback | None = None
 
 
 def _attend(q, pk, pv, length, bk, bv, j):
@@ -83,11 +99,12 @@ def empty_entries(stack: Stack, batch: int, width: int, k: int):
             for _ in stack.trunk + stack.head]
 
 
-def beam_step(stack: Stack, x, length, j, entries):
-    """Feed x [B, W] (one token per beam) at position length + j, slot j.
-    Returns (logits [B, W, V], exit state [B, W, D], entries)."""
+def beam_step(stack: Stack, x, length, j, entries, prev=None):
+    """Feed x [B, W] (one token per beam) at position length + j, slot j; prev [B, W, D] is each
+    beam's state with `feedback`. Returns (logits [B, W, V], the step's state [B, W, D]: the exit
+    state, or with feedback the state the next token is fused with, entries)."""
     cfg = stack.cfg
-    h = model.embed(stack.embed, x)
+    h = model.embed(stack.embed, x) if stack.feedback is None else stack.feedback.fuse(x, prev)
     cos, sin = model.rope(cfg, jnp.broadcast_to((length + j)[:, None], x.shape))
     out, exit_state = [], None
     for i, (lp, pk, pv) in enumerate(stack.trunk + stack.head):
@@ -95,7 +112,9 @@ def beam_step(stack: Stack, x, length, j, entries):
             exit_state = h
         h, bk, bv = beam_layer(cfg, lp, h, cos, sin, pk, pv, length, *entries[i], j)
         out.append((bk, bv))
-    if exit_state is None:
+    if stack.feedback is not None:
+        exit_state = stack.feedback.state(h)
+    elif exit_state is None:
         exit_state = h
     return stack.readout(h), exit_state, out
 
@@ -115,8 +134,8 @@ def beam_search(stack: Stack, last, length, width: int, k: int, sampling: Sampli
     d = stack.cfg.hidden_size
 
     def body(j, st):
-        x, score, tokens, logq, exits, entries, key = st
-        logits, exit_state, entries = beam_step(stack, x, length, j, entries)
+        x, prev, score, tokens, logq, exits, entries, key = st
+        logits, exit_state, entries = beam_step(stack, x, length, j, entries, prev)
         exits = exits.at[:, :, j].set(exit_state)
         key, sub = jax.random.split(key)
         if sampling.greedy:
@@ -137,12 +156,14 @@ def beam_search(stack: Stack, last, length, width: int, k: int, sampling: Sampli
         logq = _by_beam(logq, parent).at[:, :, j].set(tok_lq)
         exits = _by_beam(exits, parent)
         entries = [(_by_beam(bk, parent), _by_beam(bv, parent)) for bk, bv in entries]
-        return tok, score, tokens, logq, exits, entries, key
+        return tok, exits[:, :, j], score, tokens, logq, exits, entries, key
 
     # Step 0 expands the one beam `last` into W: one row through the stack, not W equal ones.
-    start = (last[:, None], jnp.zeros((b, 1)), jnp.zeros((b, 1, k), jnp.int32), jnp.zeros((b, 1, k), jnp.float32),
-             jnp.zeros((b, 1, k, d), jnp.float32), empty_entries(stack, b, 1, k), key)
-    _, score, tokens, logq, exits, entries, _ = jax.lax.fori_loop(1, k, body, body(0, start))
+    first = jnp.zeros((b, d)) if stack.feedback is None else stack.feedback.first
+    start = (last[:, None], first[:, None].astype(jnp.float32), jnp.zeros((b, 1)),
+             jnp.zeros((b, 1, k), jnp.int32), jnp.zeros((b, 1, k), jnp.float32), jnp.zeros((b, 1, k, d), jnp.float32),
+             empty_entries(stack, b, 1, k), key)
+    _, _, score, tokens, logq, exits, entries, _ = jax.lax.fori_loop(1, k, body, body(0, start))
     best = jnp.argmax(score, axis=1)
     return (_by_beam(tokens, best), _by_beam(logq, best), _by_beam(exits, best),
             [(_by_beam(bk, best), _by_beam(bv, best)) for bk, bv in entries])
@@ -150,7 +171,7 @@ def beam_search(stack: Stack, last, length, width: int, k: int, sampling: Sampli
 
 @dataclasses.dataclass(frozen=True)
 class Beam(Drafter):
-    """`inner` (an EarlyExit or a DraftModel) drafting W = `width` beams; acceptance by joint
+    """`inner` (an EarlyExit, an Eagle or a DraftModel) drafting W = `width` beams; acceptance by joint
     likelihood with threshold tau = `threshold`."""
 
     inner: Drafter
@@ -167,6 +188,9 @@ class Beam(Drafter):
     def verify(self, params, dparams, cfg, tokens, positions, cache, dstate, width):
         return self.inner.verify(params, dparams, cfg, tokens, positions, cache, dstate, width)
 
+    def accepted(self, params, dparams, cfg, dstate, fed, positions, h, n_acc):
+        return self.inner.accepted(params, dparams, cfg, dstate, fed, positions, h, n_acc)
+
     def accept(self, d: Draft, target_logits, sampling, key):
         return acceptance.joint(d.tokens, d.logq, d.n, target_logits, sampling, math.log(self.threshold), key)
 
@@ -177,15 +201,16 @@ class Beam(Drafter):
             dc = dstate["cache"]
             trunk = [(dparams["layers"][i], dc.k[i], dc.v[i]) for i in range(inner.draft_cfg.num_layers)]
             return Stack(inner.draft_cfg, dparams, trunk, [], lambda h: model.logits(dparams, inner.draft_cfg, h))
-        trunk = [(params["layers"][i], cache.k[i], cache.v[i]) for i in inner.shallow]
-        if inner.head is None:
+        eagle = isinstance(inner, Eagle)
+        trunk = [(params["layers"][i], cache.k[i], cache.v[i]) for i in (() if eagle else inner.shallow)]
+        if not eagle and inner.head is None:
             return Stack(cfg, params, trunk, [], lambda h: model.logits(params, cfg, h))
-        hk = dstate["head"]
-
-        def readout(h):
-            return heads.vocab_logits(cfg, dparams, model.rms_norm(h, dparams["norm"], cfg.rms_norm_eps))
-
-        return Stack(cfg, params, trunk, list(zip(dparams["layers"], hk["k"], hk["v"])), readout)
+        # A trained head: its layers over its own cache, its final norm, its draft vocabulary.
+        head = list(zip(dparams["layers"], dstate["head"]["k"], dstate["head"]["v"]))
+        norm = lambda h: model.rms_norm(h, dparams["norm"], cfg.rms_norm_eps)
+        feedback = (Feedback(lambda x, prev: heads.fuse_input(params, dparams, x, prev), norm, dstate["prev"])
+                    if eagle else None)
+        return Stack(cfg, params, trunk, head, lambda h: heads.vocab_logits(cfg, dparams, norm(h)), feedback)
 
     def draft(self, params, dparams, cfg, s, controller, sampling, key):
         k = self.max_draft
@@ -201,6 +226,9 @@ class Beam(Drafter):
             dcache = model.KVCache([kv[0] for kv in written], [kv[1] for kv in written])
             _, dcache = model.forward(dparams, inner.draft_cfg, final[:, None], final_pos, dcache)
             return Draft(tokens, None, n, s.cache, {"cache": dcache}, s.cstate, logq)
+        if isinstance(inner, Eagle):  # verification runs the whole target: no exit state to leave
+            hk, hv = zip(*written)
+            return Draft(tokens, None, n, s.cache, {**s.dstate, "head": {"k": list(hk), "v": list(hv)}}, s.cstate, logq)
         shallow = list(inner.shallow)
         ck, cv = list(s.cache.k), list(s.cache.v)
         for i, (wk, wv) in zip(shallow, written):

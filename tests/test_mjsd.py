@@ -171,11 +171,12 @@ def test_batch_rows_equal_batch_one(small, head_path, eagle_path, drafter):
     assert any(0 < r["stats"]["accepted"] < r["stats"]["drafted"] for r in one)  # partial accepts happen
 
 
-def test_mesh_equals_one_device(small, head_path):
+@pytest.mark.parametrize("kind", ["eesd", pytest.param("eagle", marks=pytest.mark.slow)])
+def test_mesh_equals_one_device(small, head_path, eagle_path, kind):
     """Beams of the head on a data=2, model=4 mesh at batch 3 and a model-parallel one at batch 1
     (the prefix attention through the kernel, the beams' entries reordered across shards)."""
     model, _ = small
-    opts = dict(method="mjsd", head=head_path, max_new_tokens=16)
+    opts = dict(method="mjsd", head=head_path if kind == "eesd" else eagle_path, max_new_tokens=16)
     for mesh, batch in (("data=2,model=4", 3), ("data=1,model=4", 1)):
         sharded = on_mesh(model, mesh)
         assert _ids(sharded.generate(PROMPTS, batch_size=batch, **opts)) == _ids(model.generate(PROMPTS, **opts))

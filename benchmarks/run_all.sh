@@ -8,7 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # The draft model of `--method draft` (no offline model shares SmolLM2's tokenizer): the default
-# model's first 6 layers and its shipped EESD exit layer as a 7-layer model (make_draft_model.py).
+# model's first N layers and its shipped EESD head's layers as one model: 4 + 2 with the head shipped now
+# (make_draft_model.py).
 [ -d build/smollm2-135m-draft ] || python benchmarks/make_draft_model.py build/smollm2-135m-draft
 
 # Spec-Bench, the first question of each of its 13 categories, 128 new tokens, greedy,

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The Spec-Bench comparison on whatever accelerator JAX sees (a GPU or TPU build of jax): every
-# jspec method with its defaults, and prompt lookup in front of the heads and SpecEE (the fastest
-# settings on a CPU), batch 1 and 8, bfloat16, greedy, into
+# jspec method with its defaults, prompt lookup in front of the heads and SpecEE (the fastest
+# settings on a CPU), and two heads' top 4 side by side (--candidates 4, which a CPU's wider
+# verification eats, docs/benchmarks.md, "Candidates side by side"), batch 1 and 8, bfloat16, greedy, into
 # docs/benchmarks-accelerator.md, whose report names the device (jax.devices()[0].device_kind)
 # and the date. No HF peers: they run torch on the CPU, which is not what this page measures.
 #
@@ -22,7 +23,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 DRAFT=build/smollm2-135m-draft  # the draft model of run_all.sh (benchmarks/make_draft_model.py)
-METHODS=${METHODS:-"ar,draft:draft_model=$DRAFT,early-exit,eesd,kangaroo,eagle,knn-ssd,layer-skip,ngram,mjsd,specee,eesd:lookup=2,kangaroo:lookup=2,eagle:lookup=2,specee:lookup=2"}
+METHODS=${METHODS:-"ar,draft:draft_model=$DRAFT,early-exit,eesd,kangaroo,eagle,knn-ssd,layer-skip,ngram,mjsd,specee,eesd:lookup=2,kangaroo:lookup=2,eagle:lookup=2,specee:lookup=2,eagle:candidates=4,kangaroo:candidates=4"}
 LIMIT=${LIMIT-5}
 OUTPUT=${OUTPUT:-benchmarks/results_accelerator.jsonl}
 PAGE=${PAGE:-docs/benchmarks-accelerator.md}

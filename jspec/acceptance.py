@@ -3,8 +3,10 @@
 Shapes: B rows, K draft slots, V vocab. Row b drafted tokens draft[b, :n_draft[b]]; slots beyond
 are ignored. The target's logits [B, K+1, V] come from one forward over [last, draft...], so
 position i predicts the token after draft i (position 0: after the last committed token).
-Both rules return (n_accepted [B], next_token [B]): the row emits draft[:n_accepted] and then
-next_token, the target's own token at the first rejection or the bonus after a full accept.
+The chain rules (greedy, rejection, MJSD's joint) return (n_accepted [B], next_token [B]): the
+row emits draft[:n_accepted] and then next_token, the target's own token at the first rejection
+or the bonus after a full accept. `candidates` is the rule for alternatives side by side at one
+position, which also says which one it accepted.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jspec.sampling import Sampling, probabilities, sample
+from jspec.sampling import Sampling, next_token, probabilities, sample
 
 
 def _leading_true(ok: jax.Array) -> jax.Array:
@@ -82,3 +84,23 @@ def joint(draft: jax.Array, draft_logq: jax.Array, n_draft: jax.Array, target_lo
     if sampling.greedy:
         return n_acc, jnp.argmax(_at(target_logits, n_acc), axis=-1).astype(jnp.int32)
     return n_acc, sample(_at(p, n_acc), key)
+
+
+def candidates(cands: jax.Array, n_cands: jax.Array, target_logits: jax.Array, sampling: Sampling,
+               key: jax.Array):
+    """Candidates side by side: cands [B, C] are alternatives for the one position after the last
+    committed token, deterministic given the text (a head's top C), with the target's logits
+    [B, 1 + C, V] at the last token, then at each candidate. The target's own next token (argmax,
+    or a sample from p) is drawn first; if it is one of the first n_cands candidates, that one is
+    accepted and the token after it drawn from that candidate's logits. Every emitted token is
+    the target's own draw given the text before it, so greedy output is ar's and sampled output
+    has the target's distribution, with no ratio to test.
+
+    Returns (n_accepted [B] (0 or 1), pick [B]: the accepted candidate's index, next_token [B])."""
+    first_key, next_key = jax.random.split(key)
+    first = next_token(target_logits[:, 0], sampling, first_key)
+    match = (cands == first[:, None]) & (jnp.arange(cands.shape[1]) < n_cands[:, None])
+    pick = jnp.argmax(match, axis=1).astype(jnp.int32)
+    after = next_token(_at(target_logits, 1 + pick), sampling, next_key)
+    hit = jnp.any(match, axis=1)
+    return hit.astype(jnp.int32), pick, jnp.where(hit, after, first)

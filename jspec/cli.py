@@ -116,6 +116,9 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
                         "ngram: the shortest repeat it copies (default: 2)")
     d.add_argument("--lookup-draft", type=int, default=None, metavar="K",
                    help="with --lookup: most tokens copied per round (default: 4, at least --max-draft)")
+    d.add_argument("--candidates", type=int, default=None, metavar="C",
+                   help="eagle, eesd, kangaroo, early-exit: draft one position, the head's top C verified side "
+                        "by side in one forward (instead of a chain of --max-draft tokens); lossless")
     d.add_argument("--datastore", default=None, metavar="PATH",
                    help="ngram, --lookup: where the text has no repeat, copy what the model itself wrote after "
                         "the same 2-3 tokens, from a table of jspec build-datastore (default: the one shipped "
@@ -177,7 +180,7 @@ def generation_options(args: argparse.Namespace) -> dict:
               "head": args.head, "beam_width": args.beam_width, "accept_threshold": args.accept_threshold,
               "exit_threshold": args.exit_threshold, "predictors": args.predictors, "knn": args.knn,
               "domain": args.domain, "lookup": args.lookup, "lookup_draft": args.lookup_draft,
-              "datastore": args.datastore}
+              "datastore": args.datastore, "candidates": args.candidates}
     return dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, temperature=args.temperature,
                 top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                 **{k: v for k, v in method.items() if v is not None})

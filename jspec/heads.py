@@ -95,12 +95,14 @@ def final_state(params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
     return model.rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
 
 
-def block(cfg: ModelConfig, hp: dict, h: jax.Array, positions: jax.Array | model.Packing | None, kv: dict):
-    """The head's layers on h [B, T, D] (layer-N states) -> (normed features [B, T, D], kv)."""
+def block(cfg: ModelConfig, hp: dict, h: jax.Array, positions: jax.Array | model.Packing | None, kv: dict,
+          siblings: bool = False):
+    """The head's layers on h [B, T, D] (layer-N states) -> (normed features [B, T, D], kv);
+    `siblings` as in model.attention_block."""
     cos, sin = model.rope_at(cfg, h, positions)
     ks, vs = [], []
     for lp, k, v in zip(hp["layers"], kv["k"], kv["v"]):
-        h, k, v = model.attention_block(cfg, lp, h, positions, cos, sin, k, v)
+        h, k, v = model.attention_block(cfg, lp, h, positions, cos, sin, k, v, siblings=siblings)
         if "w_down" in lp:
             h = model.mlp_block(cfg, lp, h)
         ks.append(k)
@@ -142,8 +144,8 @@ class Head:
         x, kv = block(cfg, dparams, h, positions, kv)
         return vocab_logits(cfg, dparams, x), kv
 
-    def advance(self, dparams, cfg, h, positions, kv):
-        return block(cfg, dparams, h, positions, kv)[1]
+    def advance(self, dparams, cfg, h, positions, kv, siblings: bool = False):
+        return block(cfg, dparams, h, positions, kv, siblings)[1]
 
 
 # -- saving and loading --------------------------------------------------------------------------

@@ -49,6 +49,9 @@ HEAD_METHODS = heads.KINDS
 LOOKUP_METHODS = ("draft", "eagle", "early-exit", "eesd", "kangaroo", "knn-ssd", "layer-skip", "specee")
 LOOKUP_MIN_NGRAM = 2
 LOOKUP_MAX_DRAFT = 4
+# --candidates C: a head's top C for one position, verified side by side (jspec.drafters.base).
+CANDIDATE_METHODS = ("eagle", "early-exit", "eesd", "kangaroo")
+MAX_CANDIDATES = 16
 SPECEE_CHOICES = specee.CHOICES
 # The reference's 0.5 lets SmolLM2-135M's predictors (held-out precision 0.57-0.70 below depth 21)
 # exit on tokens the full model would not write: output NLL 3.5x ar's. 0.9 costs +14-15% in every
@@ -111,7 +114,8 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
           beam_width: int | None = None, accept_threshold: float | None = None,
           exit_threshold: float | None = None, predictors: str | None = None, exit_choice: str | None = None,
           exit_kv: str | None = None, knn: str | None = None, domain: str | None = None,
-          lookup: int | None = None, lookup_draft: int | None = None, datastore: str | None = None):
+          lookup: int | None = None, lookup_draft: int | None = None, datastore: str | None = None,
+          candidates: int | None = None):
     """(drafter, drafter params, controller) for `method` on `model` (a jspec.api.Model)."""
     if method == "ngram" and lookup_draft is None:  # n-gram drafting is lookup: --lookup is its shortest repeat
         ngram, lookup = _shortest_repeat(lookup), None
@@ -127,6 +131,9 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
         raise JspecError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if method != "mjsd" and (beam_width is not None or accept_threshold is not None):
         raise JspecError("--beam-width and --accept-threshold go with --method mjsd")
+    if candidates is not None:
+        _check_candidates(method, candidates, max_draft, controller)
+        max_draft = candidates
     cfg = model.cfg
     k = default_max_draft(method) if max_draft is None else max_draft
     if method != "ar" and not 1 <= k <= 64:
@@ -167,20 +174,31 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
         dtype = model.params["embed"].dtype
         dparams = jax.tree.map(lambda x: x if x.dtype == jnp.int32 else x.astype(dtype),
                                heads.draft_params(model.params, hp))
-        drafter = (Eagle(max_draft=k) if method == "eagle" else
-                   EarlyExit(max_draft=k, exit_layer=meta["exit_layer"], head=heads.Head()))
+        drafter = (Eagle(max_draft=k, candidates=candidates or 0) if method == "eagle" else
+                   EarlyExit(max_draft=k, exit_layer=meta["exit_layer"], head=heads.Head(),
+                             candidates=candidates or 0))
         return drafter, _placed(dparams, model.mesh), ctrl
     if method == "early-exit":
         n = cfg.num_layers // 4 if exit_layer is None else exit_layer
         if not 1 <= n < cfg.num_layers:
             raise JspecError(f"--exit-layer must be between 1 and {cfg.num_layers - 1}, got {n}")
-        return EarlyExit(max_draft=k, exit_layer=n), (), ctrl
+        return EarlyExit(max_draft=k, exit_layer=n, candidates=candidates or 0), (), ctrl
     if draft_model is None:
         raise JspecError("--method draft needs --draft-model")
     if draft_model.cfg.vocab_size != cfg.vocab_size:
         raise JspecError(f"the draft model's vocabulary ({draft_model.cfg.vocab_size}) differs from the "
                          f"target's ({cfg.vocab_size}); they must share a tokenizer")
     return DraftModel(draft_cfg=draft_model.cfg, max_draft=k), _placed(draft_model.params, model.mesh), ctrl
+
+
+def _check_candidates(method: str, candidates, max_draft: int | None, controller: str | None) -> None:
+    if method not in CANDIDATE_METHODS:
+        raise JspecError(f"--candidates goes with --method {', '.join(CANDIDATE_METHODS)}")
+    if not (isinstance(candidates, int) and 2 <= candidates <= MAX_CANDIDATES):
+        raise JspecError(f"--candidates must be between 2 and {MAX_CANDIDATES}, got {candidates}")
+    if max_draft is not None or controller is not None:
+        raise JspecError("--candidates drafts one position, its top C side by side: "
+                         "it takes no --max-draft or --controller")
 
 
 def _lookup_first(method: str, drafter, min_ngram: int | None, k: int | None) -> Lookup:

@@ -152,16 +152,26 @@ def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
     return put(k_cache, k, start), put(v_cache, v, start)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+def move_entry(ks: list[jax.Array], vs: list[jax.Array], src: jax.Array, dst: jax.Array):
+    """Per layer, each row b's cache entry at position src[b] copied to dst[b]: a candidate's
+    entries moved to where the accepted path puts it (jspec.engine.loop). (ks, vs) of [B, S, K, H]."""
+    take = lambda c: jnp.take_along_axis(c, src[:, None, None, None], axis=1)  # noqa: E731
+    moved = [write_kv(k, v, take(k), take(v), dst) for k, v in zip(ks, vs)]
+    return [k for k, _ in moved], [v for _, v in moved]
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid: jax.Array | None = None,
+              prefix: jax.Array | None = None) -> jax.Array:
     """q [B, T, K, G, H] over cache k, v [B, S, K, H]; query at position p sees keys 0..p, and of
     those only the `valid` [B, S] ones when given (SpecEE leaves skipped layers' entries out).
+    With `prefix` [B, T] a query sees keys j < prefix and its own key q_pos only (block_attention).
 
     On a CPU this is jspec's native kernel, which reads the cache in place where XLA transposes
     all of it first, and gives a query the same bits whatever else the call holds (jspec/native.py)."""
     if native.takes_attention(q, k, v):
         valid = jnp.ones(k.shape[:2], jnp.bool_) if valid is None else valid
-        return _native_attention(q, k, v, q_pos, valid)
-    return _attention(q, k, v, q_pos, valid)[0]
+        return _native_attention(q, k, v, q_pos, valid, q_pos + 1 if prefix is None else prefix)
+    return _attention(q, k, v, q_pos, valid, prefix)[0]
 
 
 def attention_and_lse(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid: jax.Array | None = None):
@@ -170,26 +180,46 @@ def attention_and_lse(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array
     differentiable on the kernel's path."""
     if native.takes_attention(q, k, v):
         valid = jnp.ones(k.shape[:2], jnp.bool_) if valid is None else valid
-        return native.attention(q, k, v, q_pos, valid)
+        return native.attention(q, k, v, q_pos, valid, q_pos + 1)
     return _attention(q, k, v, q_pos, valid)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
-def _native_attention(q, k, v, q_pos, valid):
-    return native.attention(q, k, v, q_pos, valid)[0]
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5))
+def _native_attention(q, k, v, q_pos, valid, prefix):
+    return native.attention(q, k, v, q_pos, valid, prefix)[0]
 
 
 @_native_attention.defjvp
-def _native_attention_jvp(q_pos, valid, primals, tangents):
+def _native_attention_jvp(q_pos, valid, prefix, primals, tangents):
     # XLA cannot differentiate a foreign call: training a draft head differentiates the JAX path.
-    return jax.jvp(lambda q, k, v: _attention(q, k, v, q_pos, valid)[0], primals, tangents)
+    return jax.jvp(lambda q, k, v: _attention(q, k, v, q_pos, valid, prefix)[0], primals, tangents)
 
 
-def _attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid: jax.Array | None):
-    """attention_and_lse() in XLA (a caller that drops the lse leaves XLA nothing of it to compute)."""
+def block_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
+                    valid: jax.Array | None = None) -> jax.Array:
+    """Attention for a block of T tokens that may hold alternatives rather than one sequence: q
+    [B, T, K, G, H] at positions [B, T], written to the cache side by side from the block's first
+    position on. Each token sees the cache before the block, the block's tokens at earlier
+    positions, and itself: causal attention for a chain (positions p, p+1, ..); for a round's
+    last token at p and candidates all at p + 1, each candidate sees the last token and not the
+    others (jspec.engine.loop). A block's tokens at earlier positions come first in it, so each
+    token sees a prefix of the cache and its own entry."""
+    t = positions.shape[1]
+    start = positions[:, :1]
+    earlier = jnp.sum(positions[:, None, :] < positions[:, :, None], axis=-1)  # [B, T]
+    return attention(q, k_cache, v_cache, start + jnp.arange(t), valid, start + earlier)
+
+
+def _attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid: jax.Array | None,
+               prefix: jax.Array | None = None):
+    """attention_and_lse() in XLA (a caller that drops the lse leaves XLA nothing of it to compute),
+    with attention()'s `prefix`."""
     scale = q.shape[-1] ** -0.5
     scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) * scale
-    visible = jnp.arange(k.shape[1])[None, None, :] <= q_pos[:, :, None]  # [B, T, S]
+    key = jnp.arange(k.shape[1])[None, None, :]
+    visible = key <= q_pos[:, :, None]  # [B, T, S]
+    if prefix is not None:
+        visible = (key < prefix[:, :, None]) | (key == q_pos[:, :, None])
     if valid is not None:
         visible = visible & valid[:, None, :]
     scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
@@ -229,18 +259,20 @@ def qkv(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array, cos: jax.Ar
 
 
 def attend(lp: Mapping[str, jax.Array], h: jax.Array, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-           positions: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+           positions: jax.Array, valid: jax.Array | None = None, siblings: bool = False) -> jax.Array:
     """The attention block's output side, residual included: queries q at positions [B, T] over a
-    cache that already holds their own keys and values -> h [B, T, D]."""
-    out = attention(q, k_cache, v_cache, positions, valid)
+    cache that already holds their own keys and values -> h [B, T, D]. `siblings` lets the block
+    hold alternatives (block_attention)."""
+    out = (block_attention if siblings else attention)(q, k_cache, v_cache, positions, valid)
     return h + linear(out.reshape(*out.shape[:2], -1), lp["wo"])
 
 
 def attention_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array,
                     positions: jax.Array | Packing | None, cos: jax.Array, sin: jax.Array, k_cache: jax.Array,
-                    v_cache: jax.Array, valid: jax.Array | None = None):
+                    v_cache: jax.Array, valid: jax.Array | None = None, siblings: bool = False):
     """The attention half of a decoder block, residual included: h [B, T, D] -> h, k_cache, v_cache.
-    A Packing is a prefill of h [R, T, D] packed rows; None a prefill of one prompt per row."""
+    A Packing is a prefill of h [R, T, D] packed rows; None a prefill of one prompt per row.
+    `siblings`: the T tokens may be alternatives, at the same position (block_attention)."""
     q, k, v = qkv(cfg, lp, h, cos, sin)
     if positions is None or isinstance(positions, Packing):
         # Projections run packed; attention runs per prompt, from each row's position 0.
@@ -251,7 +283,7 @@ def attention_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array,
         k_cache, v_cache = write_kv(k_cache, v_cache, k, v, jnp.zeros(k_cache.shape[:1], jnp.int32))
         return h + linear(out.reshape(*out.shape[:2], -1), lp["wo"]), k_cache, v_cache
     k_cache, v_cache = write_kv(k_cache, v_cache, k, v, positions[:, 0])
-    return attend(lp, h, q, k_cache, v_cache, positions, valid), k_cache, v_cache
+    return attend(lp, h, q, k_cache, v_cache, positions, valid, siblings), k_cache, v_cache
 
 
 def mlp_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array) -> jax.Array:
@@ -263,17 +295,18 @@ def mlp_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array) -> ja
 
 def decoder_layer(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array, positions: jax.Array | Packing | None,
                   cos: jax.Array, sin: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                  valid: jax.Array | None = None, width: "Width | None" = None):
+                  valid: jax.Array | None = None, width: "Width | None" = None, siblings: bool = False):
     """One pre-norm decoder block. h [B, T, D]; k_cache, v_cache [B, S, K, H] of this layer. With
-    a `width`, only its leading positions are computed (their outputs padded back to T)."""
+    a `width`, only its leading positions are computed (their outputs padded back to T);
+    `siblings` as in attention_block."""
     if width is None:
-        h, k_cache, v_cache = attention_block(cfg, lp, h, positions, cos, sin, k_cache, v_cache, valid)
+        h, k_cache, v_cache = attention_block(cfg, lp, h, positions, cos, sin, k_cache, v_cache, valid, siblings)
         return mlp_block(cfg, lp, h), k_cache, v_cache
     q, k, v = width.run(functools.partial(qkv, cfg, lp), h, cos, sin)
     # The cache is written here, between the two branches, never inside one: a conditional
     # whose branch updates the cache makes XLA copy every layer's cache (docs/design.md).
     k_cache, v_cache = write_kv(k_cache, v_cache, k, v, positions[:, 0])
-    h = width.run(lambda h, q, pos: mlp_block(cfg, lp, attend(lp, h, q, k_cache, v_cache, pos, valid)),
+    h = width.run(lambda h, q, pos: mlp_block(cfg, lp, attend(lp, h, q, k_cache, v_cache, pos, valid, siblings)),
                   h, q, positions)
     return h, k_cache, v_cache
 
@@ -313,15 +346,17 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
 
 
 def run_layers(params: Params, cfg: ModelConfig, h: jax.Array, positions: jax.Array | Packing | None, cache: KVCache,
-               layers: Sequence[int] | None = None, width: Width | None = None):
+               layers: Sequence[int] | None = None, width: Width | None = None, siblings: bool = False):
     """Run the given layers (default: all, in order) on hidden states h [B, T, D] at positions
     [B, T], or a prefill (a Packing, or None: one prompt per row). Layers not listed neither change
     h nor write the cache: a contiguous range is an early exit, a range with holes is layer
-    skipping. A `width` computes only leading positions (decoder_layer). Returns the new h and cache."""
+    skipping. A `width` computes only leading positions (decoder_layer); `siblings` lets the T
+    tokens be alternatives (attention_block). Returns the new h and cache."""
     cos, sin = rope_at(cfg, h, positions)
     k, v = list(cache.k), list(cache.v)
     for i in range(cfg.num_layers) if layers is None else layers:
-        h, k[i], v[i] = decoder_layer(cfg, params["layers"][i], h, positions, cos, sin, k[i], v[i], width=width)
+        h, k[i], v[i] = decoder_layer(cfg, params["layers"][i], h, positions, cos, sin, k[i], v[i], width=width,
+                                      siblings=siblings)
     return h, KVCache(k, v)
 
 
@@ -395,10 +430,10 @@ def logits(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array | Packing | None,
-            cache: KVCache, width: Width | None = None):
+            cache: KVCache, width: Width | None = None, siblings: bool = False):
     """The whole model: tokens [B, T] at positions [B, T] (or a prefill, as in run_layers) ->
     hidden [B, T, D] (pre-norm), cache."""
-    return run_layers(params, cfg, embed(params, tokens), positions, cache, width=width)
+    return run_layers(params, cfg, embed(params, tokens), positions, cache, width=width, siblings=siblings)
 
 
 def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], dtype=np.float32) -> Params:

@@ -93,15 +93,19 @@ def takes_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
     return enabled and float32 and q.shape[1] <= MAX_QUERIES and jax.default_backend() == "cpu"
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid: jax.Array):
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid: jax.Array, prefix: jax.Array):
     """q [B, T, K, G, H] over the cache k, v [B, S, K, H] (float32): query (b, t) sees keys
-    j <= q_pos[b, t] with valid[b, j]. Returns the output [B, T, K, G, H] and the log of each
-    query's softmax denominator [B, T, K, G] (-inf where it sees no key), float32. No derivative:
-    `model.attention` gives it the JAX path's."""
+    j < prefix[b, t] and key q_pos[b, t] (prefix <= q_pos + 1; q_pos + 1 is causal), those with
+    valid[b, j]. Returns the output [B, T, K, G, H] and the log of each query's softmax denominator
+    [B, T, K, G] (-inf where it sees no key), float32. No derivative: `model.attention` gives it
+    the JAX path's."""
     b, t, kv, g, h = q.shape
-    if k.shape != (b, k.shape[1], kv, h) or v.shape != k.shape or q_pos.shape != (b, t) or valid.shape != k.shape[:2]:
-        raise ValueError(f"native.attention needs q [B, T, K, G, H], k and v [B, S, K, H], q_pos [B, T] and "
-                         f"valid [B, S], got {q.shape}, {k.shape}, {v.shape}, {q_pos.shape} and {valid.shape}")
+    if (k.shape != (b, k.shape[1], kv, h) or v.shape != k.shape or q_pos.shape != (b, t) or prefix.shape != (b, t)
+            or valid.shape != k.shape[:2]):
+        raise ValueError(f"native.attention needs q [B, T, K, G, H], k and v [B, S, K, H], q_pos and prefix [B, T] "
+                         f"and valid [B, S], got {q.shape}, {k.shape}, {v.shape}, {q_pos.shape}, {prefix.shape} "
+                         f"and {valid.shape}")
     call = jax.ffi.ffi_call("jspec_attention", (jax.ShapeDtypeStruct(q.shape, jnp.float32),
                                                 jax.ShapeDtypeStruct(q.shape[:4], jnp.float32)))
-    return call(q, k, v, q_pos.astype(jnp.int32), valid.astype(jnp.bool_), scale=np.float32(h ** -0.5))
+    return call(q, k, v, q_pos.astype(jnp.int32), prefix.astype(jnp.int32), valid.astype(jnp.bool_),
+                scale=np.float32(h ** -0.5))

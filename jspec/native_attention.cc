@@ -1,6 +1,8 @@
 // Attention of a few queries per row over jspec's KV cache on a CPU (jspec/native.py calls it
 // through jax.ffi): q [B, T, K, G, H], cache k and v [B, S, K, H] (rows, positions, kv heads,
-// head dim), query (b, t) sees keys j <= pos[b, t] with valid[b, j] set; out [B, T, K, G, H] and
+// head dim), query (b, t) sees keys j < from[b, t] and key pos[b, t] (from <= pos + 1; from =
+// pos + 1 is causal attention, less lets a query skip the keys of alternatives to it, a round's
+// candidates side by side), those with valid[b, j] set; out [B, T, K, G, H] and
 // the log of each query's softmax denominator, lse [B, T, K, G] (-inf where it sees no key), with
 // which a caller merges this attention with one over keys kept elsewhere (MJSD's beams).
 //
@@ -142,12 +144,13 @@ struct Shapes {
 // Softmax of one chunk of a query's scores row[0, count) (keys c0 ..), in place: p_j =
 // e^(score_j - top) over the visible keys, exactly 0 elsewhere. Returns top (-inf when no key of
 // the chunk is visible) and sets sum = sum_j p_j, 8 lanes by position mod 8, then Sum8.
-AVX2 float ChunkSoftmax(float* row, int64_t count, int64_t c0, int64_t last, const bool* valid, float scale,
-                        float& sum) {
+AVX2 float ChunkSoftmax(float* row, int64_t count, int64_t c0, int64_t from, int64_t last, const bool* valid,
+                        float scale, float& sum) {
   const float low = -std::numeric_limits<float>::infinity();
   float top = low;
   for (int64_t j = 0; j < count; ++j) {
-    row[j] = c0 + j > last || !valid[c0 + j] ? low : row[j] * scale;
+    const int64_t key = c0 + j;  // visible: below `from`, or the query's own key `last`
+    row[j] = (key >= from && key != last) || !valid[key] ? low : row[j] * scale;
     top = std::max(top, row[j]);
   }
   if (top == low) {
@@ -177,8 +180,8 @@ AVX2 float ChunkSoftmax(float* row, int64_t count, int64_t c0, int64_t last, con
 constexpr int64_t kChunkKeys = 128;  // a multiple of 8: a chunk's lanes are positions mod 8
 
 AVX2 void Chunk(const Shapes& n, const float* q, const float* k, const float* v, const int32_t* pos,
-                const bool* valid, float scale, float* partial, int64_t chunks, int64_t b, int64_t t0,
-                int64_t t1, int64_t chunk) {
+                const int32_t* from, const bool* valid, float scale, float* partial, int64_t chunks, int64_t b,
+                int64_t t0, int64_t t1, int64_t chunk) {
   thread_local std::vector<float> qs, scores, kbuf, vbuf;  // a thread's scratch, kept between calls
   const int64_t h = n.h, g = n.g, key_stride = n.kv * h, nq = (t1 - t0) * g, stride = h + 2;
   int64_t keys = 0;  // keys [0, keys) are all the block's queries can see
@@ -221,8 +224,8 @@ AVX2 void Chunk(const Shapes& n, const float* q, const float* k, const float* v,
     }
     for (int64_t i = 0; i < nq; ++i) {
       float* o = out(i);
-      o[0] = ChunkSoftmax(scores.data() + i * count, count, c0, pos[b * n.t + t0 + i / g], valid + b * n.s, scale,
-                          o[1]);
+      const int64_t query = b * n.t + t0 + i / g;
+      o[0] = ChunkSoftmax(scores.data() + i * count, count, c0, from[query], pos[query], valid + b * n.s, scale, o[1]);
     }
     const float* vb = vbuf.data() + kh * h;
     for (int64_t i = 0; i < nq; i += 4) {
@@ -258,8 +261,8 @@ void Combine(const float* partial, int64_t chunks, int64_t h, float* out, float*
 }
 
 ffi::Error Attention(ffi::ThreadPool pool, Queries q, Cache k, Cache v, ffi::Buffer<ffi::S32, 2> pos,
-                     ffi::Buffer<ffi::PRED, 2> valid, float scale, ffi::Result<Queries> out,
-                     ffi::Result<ffi::Buffer<ffi::F32, 4>> lse) {
+                     ffi::Buffer<ffi::S32, 2> from, ffi::Buffer<ffi::PRED, 2> valid, float scale,
+                     ffi::Result<Queries> out, ffi::Result<ffi::Buffer<ffi::F32, 4>> lse) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   Shapes n{qd[0], qd[1], qd[2], qd[3], kd[1], qd[4]};
   if (kd[0] != n.b || kd[2] != n.kv || kd[3] != n.h || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] ||
@@ -273,13 +276,13 @@ ffi::Error Attention(ffi::ThreadPool pool, Queries q, Cache k, Cache v, ffi::Buf
   const int64_t chunks = std::max<int64_t>(1, (n.s + kChunkKeys - 1) / kChunkKeys);
   std::vector<float> partial(queries * chunks * (n.h + 2));
   const float *qs = q.typed_data(), *ks = k.typed_data(), *vs = v.typed_data();
-  const int32_t* ps = pos.typed_data();
+  const int32_t *ps = pos.typed_data(), *fs = from.typed_data();
   const bool* valids = valid.typed_data();
   float* partials = partial.data();
   ParallelFor(pool, n.b * t_blocks * chunks, [=](int64_t item) {
     const int64_t chunk = item % chunks, tb = (item / chunks) % t_blocks, b = item / (chunks * t_blocks);
     const int64_t t0 = tb * kBlockQueries;
-    Chunk(n, qs, ks, vs, ps, valids, scale, partials, chunks, b, t0, std::min(n.t, t0 + kBlockQueries), chunk);
+    Chunk(n, qs, ks, vs, ps, fs, valids, scale, partials, chunks, b, t0, std::min(n.t, t0 + kBlockQueries), chunk);
   });
   float *o = out->typed_data(), *l = lse->typed_data();
   for (int64_t i = 0; i < queries; ++i) Combine(partials + i * chunks * (n.h + 2), chunks, n.h, o + i * n.h, l + i);
@@ -292,6 +295,7 @@ auto Binding() {
       .Arg<Queries>()
       .Arg<Cache>()
       .Arg<Cache>()
+      .Arg<ffi::Buffer<ffi::S32, 2>>()
       .Arg<ffi::Buffer<ffi::S32, 2>>()
       .Arg<ffi::Buffer<ffi::PRED, 2>>()
       .Attr<float>("scale")

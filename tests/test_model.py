@@ -157,6 +157,37 @@ def test_incremental_decoding_equals_full_forward(make_tiny, kind):
     assert checked == n - 14
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["kernel", "pure-jax"])
+def test_siblings_equal_separate_chains(make_tiny, use_native, native):
+    """A round's last token and C candidates for the next position, fed side by side with
+    `siblings`: each candidate's state and cache entries equal those of the chain [last, candidate]
+    fed alone, so no candidate sees another. Rows at different positions, different candidates."""
+    use_native(native)
+    t = make_tiny("qwen2")  # biases too
+    cfg, params = t.cfg, t.params
+    ids = tokens(2, 20, seed=2)
+    pos = np.array([12, 7])
+    cands = tokens(2, 3, seed=3)
+    prefix = model.KVCache.zeros(cfg, 2, 32)
+    _, prefix = _logits(params, cfg, jnp.asarray(ids[:, :12]), jnp.broadcast_to(jnp.arange(12), (2, 12)), prefix, None)
+    last = ids[np.arange(2), pos][:, None]
+    forward = jax.jit(model.forward, static_argnames=("cfg", "siblings"))
+    fed = np.concatenate([last, cands], axis=1)
+    at = jnp.asarray(np.minimum(pos[:, None] + np.arange(4), pos[:, None] + 1), jnp.int32)
+    h, cache = forward(params, cfg, jnp.asarray(fed), at, prefix, siblings=True)
+    for c in range(3):
+        chain = np.concatenate([last, cands[:, c:c + 1]], axis=1)
+        hc, cache_c = forward(params, cfg, jnp.asarray(chain), jnp.asarray(pos[:, None] + np.arange(2), jnp.int32),
+                              prefix)
+        np.testing.assert_allclose(h[:, 0], hc[:, 0], atol=ATOL, rtol=0)
+        np.testing.assert_allclose(h[:, 1 + c], hc[:, 1], atol=ATOL, rtol=0)
+        # move_entry puts candidate c's entries where the chain has them, in every layer
+        ks, vs = model.move_entry(cache.k, cache.v, jnp.asarray(pos + 1 + c), jnp.asarray(pos + 1))
+        for got, want in zip(ks + vs, cache_c.k + cache_c.v):
+            for b in range(2):
+                np.testing.assert_allclose(got[b, :pos[b] + 2], want[b, :pos[b] + 2], atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_prefill_attention_blocks_match_transformers(make_tiny, kind):
     """The prefill path reads a growing prefix of the cache per query block; across two full

@@ -105,10 +105,13 @@ ATTENTION_SHAPES = [(1, 1, 3, 3, 64, 50), (2, 5, 3, 3, 64, 40), (3, 17, 2, 2, 13
 
 @pytest.mark.parametrize("shape", ATTENTION_SHAPES)
 def test_attention_equals_jax(kernel, shape):
+    """Causal (prefix = q_pos + 1, what the JAX path does without one) and with a gap below each
+    query's own key (a candidate side by side with others)."""
     q, k, v, q_pos, valid = attention_inputs(*shape, seed=0)
-    for mask in (jnp.ones_like(valid), valid):
-        got, got_lse = jax.jit(native.attention)(q, k, v, q_pos, mask)
-        want, want_lse = M._attention(q, k, v, q_pos, mask)
+    gap = q_pos + 1 - jnp.asarray(np.random.default_rng(1).integers(0, 4, q_pos.shape), jnp.int32)
+    for mask, prefix in ((jnp.ones_like(valid), None), (valid, None), (valid, jnp.maximum(gap, 1))):  # key 0: valid
+        got, got_lse = jax.jit(native.attention)(q, k, v, q_pos, mask, q_pos + 1 if prefix is None else prefix)
+        want, want_lse = M._attention(q, k, v, q_pos, mask, prefix)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
         np.testing.assert_allclose(np.asarray(got_lse), np.asarray(want_lse), atol=1e-5, rtol=1e-6)
 
@@ -117,7 +120,7 @@ def test_attention_over_chunks_equals_jax(kernel):
     """A cache of several 128-key chunks, queries seeing some of them: the partial softmaxes combine."""
     q, k, v, _, valid = attention_inputs(2, 3, 2, 2, 16, 300, seed=5)
     q_pos = jnp.asarray([[5, 130, 299], [256, 257, 40]], jnp.int32)
-    got, got_lse = jax.jit(native.attention)(q, k, v, q_pos, valid)
+    got, got_lse = jax.jit(native.attention)(q, k, v, q_pos, valid, q_pos + 1)
     want, want_lse = M._attention(q, k, v, q_pos, valid)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
     np.testing.assert_allclose(np.asarray(got_lse), np.asarray(want_lse), atol=1e-5, rtol=1e-6)
@@ -127,12 +130,12 @@ def test_attention_query_gets_the_same_bits_in_any_call(kernel):
     """A query alone, among the K + 1 of a verification, in a batch, over a longer cache."""
     q, k, v, q_pos, valid = attention_inputs(4, 9, 3, 3, 64, 60, seed=1)
     q_pos = jnp.minimum(q_pos, 40)
-    full = np.asarray(jax.jit(native.attention)(q, k, v, q_pos, valid)[0])
+    full = np.asarray(jax.jit(native.attention)(q, k, v, q_pos, valid, q_pos + 1)[0])
     for b, t in [(0, 0), (2, 5), (3, 8)]:
-        alone = jax.jit(native.attention)(q[b:b + 1, t:t + 1], k[b:b + 1], v[b:b + 1], q_pos[b:b + 1, t:t + 1],
-                                          valid[b:b + 1])[0]
+        at = q_pos[b:b + 1, t:t + 1]
+        alone = jax.jit(native.attention)(q[b:b + 1, t:t + 1], k[b:b + 1], v[b:b + 1], at, valid[b:b + 1], at + 1)[0]
         np.testing.assert_array_equal(np.asarray(alone)[0, 0], full[b, t])
-    shorter = jax.jit(native.attention)(q, k[:, :41], v[:, :41], q_pos, valid[:, :41])[0]
+    shorter = jax.jit(native.attention)(q, k[:, :41], v[:, :41], q_pos, valid[:, :41], q_pos + 1)[0]
     np.testing.assert_array_equal(np.asarray(shorter), full)
 
 
@@ -158,7 +161,7 @@ def test_attention_takes_the_kernel_up_to_max_queries(kernel, use_native):
 def test_attention_bad_shapes_are_refused(kernel):
     q, k, v, q_pos, valid = attention_inputs(1, 2, 1, 2, 8, 6, seed=4)
     with pytest.raises(ValueError, match="native.attention needs"):
-        native.attention(q, k[:, :, :, :4], v, q_pos, valid)
+        native.attention(q, k[:, :, :, :4], v, q_pos, valid, q_pos + 1)
 
 
 # (method, options, batch size): one row, K + 1 rows and four rows of K + 1.

@@ -184,6 +184,19 @@ def test_head_saved_on_one_device_drafts_on_a_mesh(converted, prompts, reference
     assert kind != "eagle" or dparams["fuse"].sharding.is_fully_replicated
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eesd"])
+def test_candidates_on_a_mesh(converted, prompts, reference, unsharded, one_device_heads, kind):
+    """A head's top 3 side by side at batch 2 on a data=2,model=4 mesh: the same tokens, rounds and
+    accepted candidates as on one device (the moved cache entries are split over the model axis)."""
+    m = jspec.load(converted, mesh="data=2,model=4")
+    options = dict(method=kind, head=one_device_heads[kind], candidates=3, max_new_tokens=NEW, batch_size=2)
+    expected = unsharded.generate(prompts[:2], **options)
+    got = m.generate(prompts[:2], **options)
+    assert [r["token_ids"] for r in got] == [r["token_ids"] for r in expected] == reference[:2]
+    assert [r["stats"] for r in got] == [r["stats"] for r in expected]
+    assert sum(r["stats"]["accepted"] for r in got) > 0
+
+
 def test_lookup_first_on_a_mesh(converted, prompts, reference, unsharded, one_device_heads):
     """Prompt lookup in front of a head (batch 1: a model-parallel mesh): the same tokens and the
     same rounds on a mesh as on one device."""

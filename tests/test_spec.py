@@ -36,6 +36,7 @@ from jspec.controllers import Fixed
 from jspec.convert import store
 from jspec.drafters.base import Draft, Drafter
 from jspec.engine.loop import verify_widths
+from jspec.errors import JspecError
 from jspec.sampling import Sampling, probabilities
 from jspec.training import distill
 
@@ -279,6 +280,90 @@ def test_bfloat16_greedy_equals_ar(spec_bf16, drafter, batch_size):
     check_lossless(spec_bf16, records)
 
 
+# -- candidates side by side: a head's top C for one position --------------------------------------
+
+CANDIDATES = 3
+
+
+def run_candidates(spec: Spec, drafter: str, batch_size: int, candidates: int = CANDIDATES):
+    opts = dict(DRAFTERS[drafter])
+    method = opts.pop("method")
+    if method in heads.KINDS:
+        opts["head"] = spec.heads[method]
+    return spec.target.generate(spec.prompts, method=method, max_new_tokens=NEW, batch_size=batch_size,
+                                candidates=candidates, **opts)
+
+
+@pytest.mark.parametrize("drafter, batch_size", [("eagle", 1), ("eagle", 4), ("eesd", 1), ("kangaroo", 4),
+                                                 ("early-exit-1", 4)])
+def test_candidates_equal_ar(spec, drafter, batch_size):
+    """Rows accept different candidates (or none) in the same round; every output is ar's."""
+    records = run_candidates(spec, drafter, batch_size)
+    check_lossless(spec, records, k=CANDIDATES)
+    for r in records:  # C proposed a round, at most one accepted
+        assert r["stats"]["drafted"] == CANDIDATES * (r["stats"]["rounds"] - 1)
+        assert r["new_tokens"] <= 2 * r["stats"]["rounds"] - 1
+    assert sum(r["stats"]["accepted"] for r in records) >= 8
+
+
+def test_candidates_accept_beyond_the_top_one(spec):
+    """Not a chain of one in disguise: some accepted candidates are not the head's first choice,
+    so a round with C = 3 accepts more often than with C = 2 somewhere."""
+    two, three = (run_candidates(spec, "eagle", 4, c) for c in (2, 3))
+    assert ids(two) == ids(three) == spec.ar
+    rate = lambda rs: sum(r["stats"]["accepted"] for r in rs) / sum(r["stats"]["rounds"] - 1 for r in rs)  # noqa: E731
+    assert rate(three) > rate(two)
+
+
+@pytest.mark.parametrize("drafter", ["eagle", "eesd"])
+def test_candidates_behind_lookup_equal_ar(spec, drafter):
+    """Prompt lookup in front: rounds that copy a chain and rounds of candidates in one run."""
+    opts = {**DRAFTERS[drafter], "head": spec.heads[drafter]}
+    records = spec.target.generate(spec.prompts, max_new_tokens=NEW, batch_size=1, candidates=CANDIDATES, lookup=2,
+                                   **opts)
+    check_lossless(spec, records, k=methods.LOOKUP_MAX_DRAFT)
+    copied = sum(r["stats"]["lookup_rounds"] for r in records)
+    assert 0 < copied < sum(r["stats"]["rounds"] - 1 for r in records)
+
+
+@pytest.mark.parametrize("drafter", ["eagle", "kangaroo"])
+def test_bfloat16_candidates_equal_ar(spec_bf16, drafter):
+    check_lossless(spec_bf16, run_candidates(spec_bf16, drafter, 8), k=CANDIDATES)
+
+
+def test_keep_candidate_moves_the_heads_entries_too(spec):
+    """After a round of candidates an early exit's head cache, like the target's, holds the accepted
+    candidate's entries at the next position (the recompute test above barely sees a stale head
+    entry: one of many keys the head attends over)."""
+    cfg = spec.target.cfg
+    drafter, dparams, _ = methods.build("eesd", spec.target, head=spec.heads["eesd"], candidates=CANDIDATES)
+    rng = np.random.default_rng(0)
+    entries = lambda n: [jnp.asarray(rng.standard_normal((2, 12, cfg.num_kv_heads, cfg.head_dim)), jnp.float32)  # noqa: E731
+                         for _ in range(n)]
+    cache, head = jmodel.KVCache(entries(cfg.num_layers), entries(cfg.num_layers)), {"k": entries(1), "v": entries(1)}
+    src, dst = np.array([5, 9]), np.array([3, 7])
+    moved, dstate = drafter.keep_candidate(spec.target.params, dparams, cfg, cache, {"head": head},
+                                           jnp.asarray(src), jnp.asarray(dst))
+    before = cache.k + cache.v + head["k"] + head["v"]
+    after = moved.k + moved.v + dstate["head"]["k"] + dstate["head"]["v"]
+    for old, new in zip(before, after):
+        want = np.array(old)
+        want[[0, 1], dst] = want[[0, 1], src]
+        np.testing.assert_array_equal(np.asarray(new), want)
+
+
+@pytest.mark.parametrize("options, phrase", [
+    (dict(method="ngram", candidates=3), "--candidates goes with --method eagle"),
+    (dict(method="eagle", candidates=1), "--candidates must be between 2 and 16"),
+    (dict(method="kangaroo", candidates=3, max_draft=2), "it takes no --max-draft or --controller"),
+])
+def test_candidates_refused(spec, options, phrase):
+    if options["method"] in heads.KINDS:
+        options = {**options, "head": spec.heads[options["method"]]}
+    with pytest.raises(JspecError, match=phrase):
+        spec.target.generate(spec.prompts[:1], max_new_tokens=4, **options)
+
+
 @pytest.mark.parametrize("k", range(1, 9))
 def test_every_draft_length(spec, k):
     """K = 1 .. 8 (the default maximum) under `fixed`: k drafted every round."""
@@ -383,13 +468,16 @@ def test_ngram_copies_repeats_of_at_least_lookup_tokens(spec):
             methods.build("ngram", spec.target, **bad)
 
 
-@pytest.mark.parametrize("options", [dict(method="eesd", max_draft=K), dict(method="eesd", max_draft=2, lookup=2)],
-                         ids=["widths", "lookup"])
+@pytest.mark.parametrize("options", [dict(method="eesd", max_draft=K, controller="fixed"),
+                                     dict(method="eesd", max_draft=2, controller="fixed", lookup=2),
+                                     dict(method="eesd", candidates=CANDIDATES, lookup=2)],
+                         ids=["widths", "lookup", "candidates"])
 def test_no_cache_copy_in_the_loop(spec, options):
     """A round's conditionals (its verification's width, prompt lookup's choice) never update
-    the cache inside a branch, where XLA would copy it every round (docs/design.md)."""
+    the cache inside a branch, where XLA would copy it every round (docs/design.md), and moving an
+    accepted candidate's entries copies no more than them."""
     m = Model(spec.target.cfg, spec.target.params)
-    m.generate(spec.prompts[:1], max_new_tokens=NEW, controller="fixed", head=spec.heads["eesd"], **options)
+    m.generate(spec.prompts[:1], max_new_tokens=NEW, head=spec.heads["eesd"], **options)
     ((rows, _, in_loop),) = cache_copies(m.cfg, m.programs())
     assert rows == 1 and in_loop == 0
 
@@ -458,16 +546,38 @@ def test_a_round_verifies_only_what_it_drafted(spec, proposes):
         assert len(VERIFIED_WIDTHS) == (sum(rounds) if batch_size == 1 else max(rounds))
 
 
-def eagle_drafts_by_recompute(model, hp, text) -> np.ndarray:
-    """What an eagle head drafts after each prefix of text [T], recomputed from scratch: the
-    target's final-normed states over the whole text, each read at the next position, the head
-    over every position (causal, so position t sees text[:t + 1] only), no cache kept."""
+def drafts_by_recompute(model, kind: str, hp, text, count: int = 1) -> np.ndarray:
+    """A head's `count` most likely drafts after each prefix of text [T] -> [T, count], recomputed
+    from scratch with no cache kept: for an eagle head the target's final-normed states over the
+    whole text, each read at the next position; for eesd and kangaroo the target's first
+    HEAD_EXIT layers; then the head over every position (causal, so position t sees text[:t + 1])."""
     cfg, params = model.cfg, model.params
     tokens = jnp.asarray(text, jnp.int32)[None]
-    h, _ = jmodel.forward(params, cfg, tokens, None, jmodel.KVCache.zeros(cfg, 1, len(text)))
-    prev = jnp.pad(heads.final_state(params, cfg, h)[:, :-1], ((0, 0), (1, 0), (0, 0)))
-    x, _ = heads.block(cfg, hp, heads.fuse_input(params, hp, tokens, prev), None, heads.empty_kv(cfg, hp, 1, len(text)))
-    return np.asarray(jnp.argmax(heads.vocab_logits(cfg, hp, x[0]), axis=-1))
+    empty = jmodel.KVCache.zeros(cfg, 1, len(text))
+    if kind == "eagle":
+        h, _ = jmodel.forward(params, cfg, tokens, None, empty)
+        prev = jnp.pad(heads.final_state(params, cfg, h)[:, :-1], ((0, 0), (1, 0), (0, 0)))
+        x = heads.fuse_input(params, hp, tokens, prev)
+    else:
+        x, _ = jmodel.run_layers(params, cfg, jmodel.embed(params, tokens), None, empty, range(HEAD_EXIT))
+    x, _ = heads.block(cfg, hp, x, None, heads.empty_kv(cfg, hp, 1, len(text)))
+    return np.asarray(jax.lax.top_k(heads.vocab_logits(cfg, hp, x[0]), count)[1])
+
+
+def accepted_by_recompute(spec: Spec, kind: str, count: int) -> list[int]:
+    """Each row's accepted drafts if every round proposed the recomputed top `count` of the head
+    (one position a round), on spec.free's EOS-less text."""
+    hp = heads.draft_params(spec.free.params, heads.load(spec.heads[kind], spec.free.cfg)[0])
+    counts = []
+    for prompt, out in zip(spec.prompts, spec.free_ar):
+        text, n, accepted = list(prompt["token_ids"]) + out, 1, 0
+        drafts = drafts_by_recompute(spec.free, kind, hp, text, count)
+        at = len(prompt["token_ids"])  # the newest committed token's position
+        while n < NEW:
+            hit = int(text[at + 1] in drafts[at])
+            accepted, n, at = accepted + hit, n + 1 + hit, at + 1 + hit
+        counts.append(accepted)
+    return counts
 
 
 @pytest.mark.parametrize("batch_size", [1, 4])
@@ -476,19 +586,24 @@ def test_eagle_drafts_what_a_recompute_drafts(spec, batch_size):
     whole committed text would have drafted. The head's cache must then hold, for every committed
     position (drafted and accepted, or not), the entry of the target's true previous state, which
     `Eagle.accepted` writes after each round."""
-    hp = heads.draft_params(spec.free.params, heads.load(spec.heads["eagle"], spec.free.cfg)[0])
     records = spec.free.generate(spec.prompts, method="eagle", head=spec.heads["eagle"], max_draft=1,
                                  controller="fixed", max_new_tokens=NEW, batch_size=batch_size)
     assert ids(records) == [row[:NEW] for row in spec.free_ar]
-    for prompt, out, record in zip(spec.prompts, spec.free_ar, records):
-        text, n, accepted = list(prompt["token_ids"]) + out, 1, 0
-        drafts = eagle_drafts_by_recompute(spec.free, hp, text)
-        at = len(prompt["token_ids"])  # the newest committed token's position
-        while n < NEW:
-            hit = int(drafts[at] == text[at + 1])
-            accepted, n, at = accepted + hit, n + 1 + hit, at + 1 + hit
-        assert record["stats"]["accepted"] == accepted
+    assert [r["stats"]["accepted"] for r in records] == accepted_by_recompute(spec, "eagle", 1)
     assert sum(r["stats"]["accepted"] for r in records) >= 4  # not vacuous
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eesd"])
+def test_candidates_are_what_a_recompute_drafts(spec, kind):
+    """The same with a head's top 3 side by side: a round accepts exactly when the next token is
+    among the top 3 a head recomputed over the committed text proposes. So the accepted
+    candidate's entries (the target's, an eesd head's own) are where a chain of one would have
+    put them, and no candidate's state leaks into the next round's drafts."""
+    records = spec.free.generate(spec.prompts, method=kind, head=spec.heads[kind], candidates=CANDIDATES,
+                                 max_new_tokens=NEW, batch_size=4)
+    assert ids(records) == [row[:NEW] for row in spec.free_ar]
+    assert [r["stats"]["accepted"] for r in records] == accepted_by_recompute(spec, kind, CANDIDATES)
+    assert sum(r["stats"]["accepted"] for r in records) >= 8  # not vacuous
 
 
 def test_layer_skip_default_sets(default_model, spec):
@@ -627,6 +742,7 @@ SAMPLED = {
     "eesd": dict(method="eesd", max_draft=3),  # thompson; a draft vocabulary of 12 of the 16 tokens
     "kangaroo": dict(method="kangaroo", max_draft=3),  # confidence
     "eagle": dict(method="eagle", max_draft=3),  # confidence
+    "eagle-candidates": dict(method="eagle", candidates=3),  # the target's own draw, matched to a candidate
     # every token is in the prompt: every round copies (q one-hot), the head's state fed behind it;
     # batch 1 only (lookup is off above it), so fewer samples
     "eesd-lookup": dict(method="eesd", max_draft=3, lookup=1, lookup_draft=3),
@@ -680,4 +796,4 @@ def test_sampling_matches_target_distribution(small, small_heads, small_datastor
         assert 200 * samples / SAMPLES < accepted < 0.95 * drafted, (accepted, drafted)
     if copies_first:  # every round after the prefill copied
         assert sum(r["stats"]["lookup_rounds"] for r in records) == sum(r["stats"]["rounds"] - 1 for r in records)
-    check_stats(records, opts.get("max_draft", 0))
+    check_stats(records, opts.get("max_draft", opts.get("candidates", 0)))

@@ -10,6 +10,13 @@ any, travel separately as `dparams`. It implements
 and may override `target_logits` (what the loop accepts against), `accepted` (what it keeps of a
 round's verification) and `stats` (extra counters).
 
+A drafter with `candidates` = C > 0 proposes C alternatives for the one position after the last
+committed token instead of a chain (its top C, `draft_candidates`), in the rows its Draft marks
+as `alternatives` (all of them, unless prompt lookup in front copied a chain this round): such a
+row feeds [last, c_1 .. c_C] at positions [p, p+1, .., p+1], every forward over a round's tokens
+attends with `siblings` (model.block_attention, which the positions tell what each token sees),
+and after acceptance `keep_candidate` moves the accepted one's cache entries to p + 1.
+
 `verify` returns the target's final hidden states for the fed tokens; the default runs the whole
 target, and self-speculative drafters override it to reuse work done while drafting.
 """
@@ -35,6 +42,7 @@ class Draft:
     dstate: object
     cstate: object
     logq: jax.Array | None = None  # [B, K] log q of each drafted token, for a rule that needs it (MJSD)
+    alternatives: jax.Array | None = None  # [B] bool (Drafter.candidates): rows whose tokens are alternatives
 
 
 def target_prefill(params, cfg, tokens, packing: model.Packing, cache):
@@ -46,6 +54,7 @@ def target_prefill(params, cfg, tokens, packing: model.Packing, cache):
 
 class Drafter:
     max_draft: int = 0
+    candidates: int = 0  # > 0: that many alternatives side by side (max_draft = candidates), not a chain
     # The drafter's own acceptance rule, accept(draft, target_logits, sampling, key) -> (n_accepted,
     # next_token); None is the target's lossless rule (greedy match, or rejection sampling).
     accept = None
@@ -57,7 +66,14 @@ class Drafter:
     def verify(self, params, dparams, cfg, tokens, positions, cache, dstate, width):
         """The target's states [B, W, D] for the fed tokens [B, W] (the newest committed token, then
         the drafts) and the cache, computed at `width` (a model.Width: its leading positions)."""
-        return model.forward(params, cfg, tokens, positions, cache, width)
+        return model.forward(params, cfg, tokens, positions, cache, width, siblings=self.candidates > 0)
+
+    def keep_candidate(self, params, dparams, cfg, cache, dstate, src, dst):
+        """(cache, dstate) after a candidates round accepted the candidate whose entries sit at
+        position src [B]: its entries copied to dst [B], where the accepted path has it. The
+        drafter's own caches (an early exit's head) move with the target's."""
+        k, v = model.move_entry(cache.k, cache.v, src, dst)
+        return model.KVCache(k, v), dstate
 
     def room(self, dstate, max_draft: int):
         """dstate with space for max_draft drafts, for a wrapper that may propose more tokens than
@@ -131,6 +147,16 @@ def draft_loop(step, carry, s, controller, sampling: Sampling, key, max_draft: i
     _, _, _, n, tokens, probs, carry, cstate, _ = jax.lax.while_loop(
         lambda st: (st[0] < max_draft) & jnp.any(st[2]), body, start)
     return tokens, probs, n, carry, cstate
+
+
+def draft_candidates(step, carry, s, count: int):
+    """The drafter's `count` most likely tokens for the position after the last committed one, side
+    by side (Drafter.candidates), from one step (as in draft_loop) on the last token. Deterministic
+    given the text, in greedy and sampling mode alike (jspec.acceptance.candidates).
+    Returns (tokens [B, count], n [B]: count, 0 in rows that are done, carry)."""
+    logits, carry = step(carry, 0, s.last, s.length[:, None])
+    tokens = jax.lax.top_k(logits, count)[1].astype(jnp.int32)
+    return tokens, jnp.where(s.done, 0, count).astype(jnp.int32), carry
 
 
 def _vocab(step, carry, s):

@@ -22,13 +22,14 @@ import dataclasses
 import jax.numpy as jnp
 
 from jspec import heads, model
-from jspec.drafters.base import Draft, Drafter, draft_loop
+from jspec.drafters.base import Draft, Drafter, draft_candidates, draft_loop
 
 
 @dataclasses.dataclass(frozen=True)
 class Eagle(Drafter):
     """dparams: heads.draft_params of an eagle head."""
     max_draft: int = 1
+    candidates: int = 0
 
     def prefill(self, params, dparams, cfg, tokens, packing, cache):
         h, cache = model.forward(params, cfg, tokens, packing, cache)  # [R, T, D]
@@ -47,8 +48,12 @@ class Eagle(Drafter):
                                   positions, kv)
             return heads.vocab_logits(cfg, dparams, out[:, 0]), (kv, out[:, 0])
 
-        tokens, probs, n, (kv, _), cstate = draft_loop(
-            step, (s.dstate["head"], s.dstate["prev"]), s, controller, sampling, key, self.max_draft)
+        carry = (s.dstate["head"], s.dstate["prev"])
+        if self.candidates:  # the top C of one step; `accepted` writes the head's entries for the accepted one
+            tokens, n, (kv, _) = draft_candidates(step, carry, s, self.candidates)
+            return Draft(tokens, None, n, s.cache, {**s.dstate, "head": kv}, s.cstate,
+                         alternatives=jnp.ones(n.shape, jnp.bool_))
+        tokens, probs, n, (kv, _), cstate = draft_loop(step, carry, s, controller, sampling, key, self.max_draft)
         return Draft(tokens, probs, n, s.cache, {**s.dstate, "head": kv}, cstate)
 
     def accepted(self, params, dparams, cfg, dstate, fed, positions, h, n_acc):

@@ -8,6 +8,10 @@ verifier needs its layer-N state too.
 `head` turns a layer-N hidden state into draft logits. None means the target's own final norm
 and LM head (untrained early exit); trained heads (jspec.heads) plug in here with their
 weights in `dparams`.
+
+With `candidates` the step on the last token proposes its top C side by side, and all C go
+through the shallow layers and the head's cache at once, each seeing only the committed text
+(jspec.drafters.base).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from jspec import model
-from jspec.drafters.base import Draft, Drafter, draft_loop
+from jspec.drafters.base import Draft, Drafter, draft_candidates, draft_loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +29,7 @@ class EarlyExit(Drafter):
     max_draft: int = 8
     exit_layer: int = 8
     head: object = None
+    candidates: int = 0
 
     @property
     def shallow(self) -> range:
@@ -48,12 +53,13 @@ class EarlyExit(Drafter):
         logits, head_state = self.head.logits(params, dparams, cfg, h, positions, dstate["head"])
         return logits[:, 0], {**dstate, "head": head_state}
 
-    def _enter(self, params, dparams, cfg, cache, dstate, tokens, positions):
+    def _enter(self, params, dparams, cfg, cache, dstate, tokens, positions, siblings: bool = False):
         """Tokens [B, T] through the shallow layers and into the head's cache, drafting nothing:
         (their layer-N states, cache, dstate)."""
-        h, cache = model.run_layers(params, cfg, model.embed(params, tokens), positions, cache, self.shallow)
+        h, cache = model.run_layers(params, cfg, model.embed(params, tokens), positions, cache, self.shallow,
+                                    siblings=siblings)
         if self.head is not None:
-            dstate = {**dstate, "head": self.head.advance(dparams, cfg, h, positions, dstate["head"])}
+            dstate = {**dstate, "head": self.head.advance(dparams, cfg, h, positions, dstate["head"], siblings)}
         return h, cache, dstate
 
     def draft(self, params, dparams, cfg, s, controller, sampling, key):
@@ -64,6 +70,13 @@ class EarlyExit(Drafter):
             logits, dstate = self._draft_logits(params, dparams, cfg, h, positions, dstate)
             return logits, (cache, dstate)
 
+        if self.candidates:
+            tokens, n, (cache, dstate) = draft_candidates(step, (s.cache, s.dstate), s, self.candidates)
+            at = jnp.broadcast_to((s.length + 1)[:, None], tokens.shape)
+            h, cache, dstate = self._enter(params, dparams, cfg, cache, dstate, tokens, at, siblings=True)
+            hidden = dstate["hidden"].at[:, 1:1 + self.candidates].set(h)
+            return Draft(tokens, None, n, cache, {**dstate, "hidden": hidden}, s.cstate,
+                         alternatives=jnp.ones(n.shape, jnp.bool_))
         tokens, probs, n, (cache, dstate), cstate = draft_loop(
             step, (s.cache, s.dstate), s, controller, sampling, key, self.max_draft)
         # The last proposed token of each row, at slot n, still needs its layer-N state.
@@ -82,4 +95,12 @@ class EarlyExit(Drafter):
         return cache, {**dstate, "hidden": h}
 
     def verify(self, params, dparams, cfg, tokens, positions, cache, dstate, width):
-        return model.run_layers(params, cfg, dstate["hidden"], positions, cache, self._deep(cfg), width)
+        return model.run_layers(params, cfg, dstate["hidden"], positions, cache, self._deep(cfg), width,
+                                siblings=self.candidates > 0)
+
+    def keep_candidate(self, params, dparams, cfg, cache, dstate, src, dst):
+        cache, dstate = super().keep_candidate(params, dparams, cfg, cache, dstate, src, dst)
+        if self.head is None:
+            return cache, dstate
+        k, v = model.move_entry(dstate["head"]["k"], dstate["head"]["v"], src, dst)
+        return cache, {**dstate, "head": {"k": k, "v": v}}

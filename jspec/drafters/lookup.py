@@ -10,7 +10,9 @@ for several tokens at once, while a model drafter pays a draft step per token an
 for about one. Lookup tokens are fed through the wrapped drafter afterwards (`Drafter.feed`:
 the shallow layers and the head's cache for an early exit, the draft model's cache), so its
 state has no holes and an early exit's verification still reuses the shallow layers' work.
-Lossless like both parts: verification and acceptance are the target's.
+Lossless like both parts: verification and acceptance are the target's. A drafter with
+candidates side by side (jspec.drafters.base) keeps them: a round is then either a copied chain
+or the drafter's candidates, and its Draft says which.
 
 At batch > 1 a round copies only when every live row found a repeat (a round has one
 verification), and otherwise every row runs the drafter. The choice is a one-trip while loop,
@@ -49,7 +51,7 @@ class Lookup(Drafter):
         # Each proposer reads the cache and states from the carry it is given, never from s:
         # whichever runs then updates them in place.
         def by_inner(carry):
-            _, _, _, cache, dstate, cstate = carry
+            *_, cache, dstate, cstate, _ = carry
             inner_s = dataclasses.replace(s, cache=cache, dstate=dstate, cstate=cstate)
             d = self.inner.draft(params, dparams["inner"], cfg, inner_s, controller, sampling, key)
             pad = k - d.tokens.shape[1]
@@ -57,22 +59,33 @@ class Lookup(Drafter):
             if probs is None and not sampling.greedy:  # a deterministic proposal (SpecEE's: none): q one-hot
                 probs = jax.nn.one_hot(d.tokens, cfg.vocab_size, dtype=jnp.float32)
             probs = None if probs is None else jnp.pad(probs, ((0, 0), (0, pad), (0, 0)))
-            return jnp.pad(d.tokens, ((0, 0), (0, pad))), probs, d.n, d.cache, d.dstate, d.cstate
+            alternatives = d.alternatives if self.candidates else ()
+            return jnp.pad(d.tokens, ((0, 0), (0, pad))), probs, d.n, d.cache, d.dstate, d.cstate, alternatives
 
         def by_lookup(carry):
-            _, _, _, cache, dstate, cstate = carry
+            *_, cache, dstate, cstate, alternatives = carry
             fed = jnp.concatenate([s.last[:, None], copied], axis=1)
             positions = s.length[:, None] + jnp.arange(k + 1)[None, :]
             cache, dstate = self.inner.feed(params, dparams["inner"], cfg, cache, dstate, fed, positions)
             probs = None if sampling.greedy else jax.nn.one_hot(copied, cfg.vocab_size, dtype=jnp.float32)
-            return copied, probs, jnp.where(live, found, 0), cache, dstate, cstate
+            return copied, probs, jnp.where(live, found, 0), cache, dstate, cstate, alternatives
 
         use = jnp.all((found > 0) | ~live)
         probs = None if sampling.greedy else jnp.zeros((*copied.shape, cfg.vocab_size), jnp.float32)
-        carry = (copied, probs, found, s.cache, s.dstate["inner"], s.cstate)
-        tokens, probs, n, cache, dstate, cstate = only_if(~use, by_inner, only_if(use, by_lookup, carry))
+        chains = jnp.zeros(found.shape, jnp.bool_) if self.candidates else ()  # a copy is a chain
+        carry = (copied, probs, found, s.cache, s.dstate["inner"], s.cstate, chains)
+        tokens, probs, n, cache, dstate, cstate, alternatives = only_if(~use, by_inner,
+                                                                       only_if(use, by_lookup, carry))
         dstate = {"inner": dstate, "lookup_rounds": s.dstate["lookup_rounds"] + (use & live)}
-        return Draft(tokens, probs, n, cache, dstate, cstate)
+        return Draft(tokens, probs, n, cache, dstate, cstate, alternatives=alternatives if self.candidates else None)
+
+    @property
+    def candidates(self) -> int:
+        return self.inner.candidates
+
+    def keep_candidate(self, params, dparams, cfg, cache, dstate, src, dst):
+        cache, inner = self.inner.keep_candidate(params, dparams["inner"], cfg, cache, dstate["inner"], src, dst)
+        return cache, {**dstate, "inner": inner}
 
     def verify(self, params, dparams, cfg, tokens, positions, cache, dstate, width):
         return self.inner.verify(params, dparams["inner"], cfg, tokens, positions, cache, dstate["inner"], width)

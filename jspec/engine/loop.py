@@ -9,7 +9,9 @@ cache. A round feeds [last, draft_1 .. draft_K] at positions length .. length+K,
 n_accepted[b] drafts plus one target token, and advances length by n_accepted + 1. Entries
 past a row's length are stale and never attended to, so rejected drafts need no rollback.
 Rows advance independently; rows that are done keep computing (shapes are static) but their
-results are masked out. `seq[b, p]` is the token at position p (prompt, then generated).
+results are masked out. A drafter with `candidates` instead feeds C alternatives for the one
+position after `last` (jspec.drafters.base), and the accepted one becomes the round's chain.
+`seq[b, p]` is the token at position p (prompt, then generated).
 """
 
 from __future__ import annotations
@@ -85,6 +87,16 @@ def width_index(widths: tuple[int, ...], longest: jax.Array) -> jax.Array:
     return jnp.sum(jnp.asarray(widths)[:-1] < longest + 1).astype(jnp.int32)
 
 
+def _chain_rule(drafter, d, target_logits, sampling: Sampling, key):
+    """(n_accepted, next_token) of a chain of drafts: the drafter's own rule if it has one, else
+    the target's lossless one (greedy match, or rejection sampling)."""
+    if drafter.accept is not None:
+        return drafter.accept(d, target_logits, sampling, key)
+    if sampling.greedy:
+        return acceptance.greedy(d.tokens, d.n, target_logits)
+    return acceptance.rejection(d.tokens, d.probs, d.n, target_logits, sampling, key)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling", "max_new_tokens", "drafter", "controller",
                                              "logprobs"), donate_argnames=("cache",))
 def generate(params, dparams, cache: model.KVCache, tokens, packing: model.Packing, eos_ids, key, *,
@@ -124,18 +136,30 @@ def generate(params, dparams, cache: model.KVCache, tokens, packing: model.Packi
 
         widths = verify_widths(k)
         width = model.Width(widths, width_index(widths, jnp.max(jnp.where(live, d.n, 0))))
-        h, cache = drafter.verify(params, dparams, cfg, fed, positions, d.cache, d.dstate, width)
+        at = positions
+        if drafter.candidates:  # a row of alternatives feeds them all at length + 1
+            at = jnp.where(d.alternatives[:, None], jnp.minimum(positions, s.length[:, None] + 1), positions)
+        h, cache = drafter.verify(params, dparams, cfg, fed, at, d.cache, d.dstate, width)
         target_logits = width.run(lambda h: drafter.target_logits(params, dparams, cfg, h, d.dstate, sampling), h)
-        if drafter.accept is not None:
-            n_acc, nxt = drafter.accept(d, target_logits, sampling, k_accept)
-        elif sampling.greedy:
-            n_acc, nxt = acceptance.greedy(d.tokens, d.n, target_logits)
-        else:
-            n_acc, nxt = acceptance.rejection(d.tokens, d.probs, d.n, target_logits, sampling, k_accept)
-        emitted = jnp.concatenate([d.tokens, jnp.zeros((b, 1), jnp.int32)], axis=1)
+        n_acc, nxt = _chain_rule(drafter, d, target_logits, sampling, k_accept)
+        dstate = d.dstate
+        if drafter.candidates:
+            n_alt, pick, nxt_alt = acceptance.candidates(d.tokens, d.n, target_logits, sampling, k_accept)
+            alt = d.alternatives
+            n_acc, nxt, pick = jnp.where(alt, n_alt, n_acc), jnp.where(alt, nxt_alt, nxt), jnp.where(alt, pick, 0)
+            # From here on the round is the chain [last, accepted candidate, ...]: the accepted one
+            # swapped into slot 1 and its cache entries moved to position length + 1.
+            slot = jnp.arange(k + 1)[None, :]
+            chosen = 1 + pick[:, None]
+            order = jnp.where(slot == 1, chosen, jnp.where(slot == chosen, 1, slot))
+            fed = jnp.take_along_axis(fed, order, axis=1)
+            h, target_logits = (jnp.take_along_axis(x, order[..., None], axis=1) for x in (h, target_logits))
+            cache, dstate = drafter.keep_candidate(params, dparams, cfg, cache, dstate, s.length + 1 + pick,
+                                                   s.length + 1)
+        emitted = jnp.concatenate([fed[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
         emitted = emitted.at[jnp.arange(b), n_acc].set(nxt)
         cstate = controller.update(d.cstate, d.n, n_acc, live)
-        dstate = drafter.accepted(params, dparams, cfg, d.dstate, fed, positions, h, n_acc)
+        dstate = drafter.accepted(params, dparams, cfg, dstate, fed, positions, h, n_acc)
         s = dataclasses.replace(s, cache=cache, key=key, dstate=dstate, cstate=cstate,
                                 rounds=s.rounds + live, drafted=s.drafted + live * d.n,
                                 accepted=s.accepted + live * n_acc)

@@ -202,15 +202,17 @@ def test_machine_info_needs_neither_torch_nor_transformers(monkeypatch):
 
 def test_accelerator_script_runs_every_method():
     """Its default --methods names every method jspec has, each once, with its defaults; the
-    others are prompt lookup in front of one of them."""
+    others are prompt lookup in front of one of them, or a head's top 4 side by side."""
     line = next(x for x in ACCELERATOR_SH.read_text().splitlines() if x.startswith("METHODS="))
     default = re.fullmatch(r'METHODS=\$\{METHODS:-"(.*)"\}', line).group(1)
     specs = bench.parse_methods(default.replace("$DRAFT", "build/draft"))
     plain = [s for s in specs if s.name == "draft" or not s.options]
     assert sorted(s.name for s in plain) == sorted(methods.METHODS)
     assert [s.options for s in plain if s.name != "draft"] == [()] * (len(plain) - 1)
-    lookups = [s for s in specs if s not in plain]
-    assert lookups and all(s.options == (("lookup", 2),) and s.name in methods.LOOKUP_METHODS for s in lookups)
+    others = [s for s in specs if s not in plain]
+    variants = {(("lookup", 2),): methods.LOOKUP_METHODS, (("candidates", 4),): methods.CANDIDATE_METHODS}
+    assert others and all(s.name in variants.get(s.options, ()) for s in others)
+    assert {s.options for s in others} == set(variants)
 
 
 @pytest.mark.slow  # about 30 s on 2 cores: 3 methods x 2 batch sizes compile

@@ -11,9 +11,9 @@ and may override `target_logits` (what the loop accepts against), `accepted` (wh
 round's verification) and `stats` (extra counters).
 
 A drafter with `candidates` = C > 0 proposes C alternatives for the one position after the last
-committed token instead of a chain (its top C, `draft_candidates`), in the rows its Draft marks
-as `alternatives` (all of them, unless prompt lookup in front copied a chain this round): such a
-row feeds [last, c_1 .. c_C] at positions [p, p+1, .., p+1], every forward over a round's tokens
+committed token instead of a chain (its top C, `draft_candidates`), in every row, or behind
+prompt lookup in the rows its Draft marks as `alternatives` (a round that copied is a chain): such
+a row feeds [last, c_1 .. c_C] at positions [p, p+1, .., p+1], every forward over a round's tokens
 attends with `siblings` (model.block_attention, which the positions tell what each token sees),
 and after acceptance `keep_candidate` moves the accepted one's cache entries to p + 1.
 
@@ -42,7 +42,9 @@ class Draft:
     dstate: object
     cstate: object
     logq: jax.Array | None = None  # [B, K] log q of each drafted token, for a rule that needs it (MJSD)
-    alternatives: jax.Array | None = None  # [B] bool (Drafter.candidates): rows whose tokens are alternatives
+    # [B] bool, where a drafter with candidates may also feed a chain (prompt lookup in front): the rows
+    # whose tokens are alternatives. None: all of them (with Drafter.candidates), or none.
+    alternatives: jax.Array | None = None
 
 
 def target_prefill(params, cfg, tokens, packing: model.Packing, cache):

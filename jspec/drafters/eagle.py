@@ -51,8 +51,7 @@ class Eagle(Drafter):
         carry = (s.dstate["head"], s.dstate["prev"])
         if self.candidates:  # the top C of one step; `accepted` writes the head's entries for the accepted one
             tokens, n, (kv, _) = draft_candidates(step, carry, s, self.candidates)
-            return Draft(tokens, None, n, s.cache, {**s.dstate, "head": kv}, s.cstate,
-                         alternatives=jnp.ones(n.shape, jnp.bool_))
+            return Draft(tokens, None, n, s.cache, {**s.dstate, "head": kv}, s.cstate)
         tokens, probs, n, (kv, _), cstate = draft_loop(step, carry, s, controller, sampling, key, self.max_draft)
         return Draft(tokens, probs, n, s.cache, {**s.dstate, "head": kv}, cstate)
 

@@ -75,8 +75,7 @@ class EarlyExit(Drafter):
             at = jnp.broadcast_to((s.length + 1)[:, None], tokens.shape)
             h, cache, dstate = self._enter(params, dparams, cfg, cache, dstate, tokens, at, siblings=True)
             hidden = dstate["hidden"].at[:, 1:1 + self.candidates].set(h)
-            return Draft(tokens, None, n, cache, {**dstate, "hidden": hidden}, s.cstate,
-                         alternatives=jnp.ones(n.shape, jnp.bool_))
+            return Draft(tokens, None, n, cache, {**dstate, "hidden": hidden}, s.cstate)
         tokens, probs, n, (cache, dstate), cstate = draft_loop(
             step, (s.cache, s.dstate), s, controller, sampling, key, self.max_draft)
         # The last proposed token of each row, at slot n, still needs its layer-N state.

@@ -59,7 +59,7 @@ class Lookup(Drafter):
             if probs is None and not sampling.greedy:  # a deterministic proposal (SpecEE's: none): q one-hot
                 probs = jax.nn.one_hot(d.tokens, cfg.vocab_size, dtype=jnp.float32)
             probs = None if probs is None else jnp.pad(probs, ((0, 0), (0, pad), (0, 0)))
-            alternatives = d.alternatives if self.candidates else ()
+            alternatives = jnp.ones(d.n.shape, jnp.bool_) if self.candidates else ()
             return jnp.pad(d.tokens, ((0, 0), (0, pad))), probs, d.n, d.cache, d.dstate, d.cstate, alternatives
 
         def by_lookup(carry):

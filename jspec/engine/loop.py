@@ -137,16 +137,21 @@ def generate(params, dparams, cache: model.KVCache, tokens, packing: model.Packi
         widths = verify_widths(k)
         width = model.Width(widths, width_index(widths, jnp.max(jnp.where(live, d.n, 0))))
         at = positions
-        if drafter.candidates:  # a row of alternatives feeds them all at length + 1
-            at = jnp.where(d.alternatives[:, None], jnp.minimum(positions, s.length[:, None] + 1), positions)
+        if drafter.candidates:  # alternatives all sit at length + 1; chains too only where the Draft says
+            side = jnp.minimum(positions, s.length[:, None] + 1)
+            at = side if d.alternatives is None else jnp.where(d.alternatives[:, None], side, positions)
         h, cache = drafter.verify(params, dparams, cfg, fed, at, d.cache, d.dstate, width)
         target_logits = width.run(lambda h: drafter.target_logits(params, dparams, cfg, h, d.dstate, sampling), h)
-        n_acc, nxt = _chain_rule(drafter, d, target_logits, sampling, k_accept)
         dstate = d.dstate
-        if drafter.candidates:
-            n_alt, pick, nxt_alt = acceptance.candidates(d.tokens, d.n, target_logits, sampling, k_accept)
-            alt = d.alternatives
-            n_acc, nxt, pick = jnp.where(alt, n_alt, n_acc), jnp.where(alt, nxt_alt, nxt), jnp.where(alt, pick, 0)
+        if not drafter.candidates:
+            n_acc, nxt = _chain_rule(drafter, d, target_logits, sampling, k_accept)
+        else:
+            n_acc, pick, nxt = acceptance.candidates(d.tokens, d.n, target_logits, sampling, k_accept)
+            if d.alternatives is not None:
+                n_chain, nxt_chain = _chain_rule(drafter, d, target_logits, sampling, k_accept)
+                alt = d.alternatives
+                n_acc, nxt, pick = (jnp.where(alt, n_acc, n_chain), jnp.where(alt, nxt, nxt_chain),
+                                    jnp.where(alt, pick, 0))
             # From here on the round is the chain [last, accepted candidate, ...]: the accepted one
             # swapped into slot 1 and its cache entries moved to position length + 1.
             slot = jnp.arange(k + 1)[None, :]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jspec.sampling import Sampling, next_token, probabilities, sample
+from jspec.sampling import Sampling, argmax, next_token, probabilities, sample
 
 
 def _leading_true(ok: jax.Array) -> jax.Array:
@@ -29,7 +29,7 @@ def _at(x: jax.Array, index: jax.Array) -> jax.Array:
 
 def greedy(draft: jax.Array, n_draft: jax.Array, target_logits: jax.Array):
     """Keep the longest prefix equal to the target's argmax, then the target's token."""
-    choice = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, K+1]
+    choice = argmax(target_logits)  # [B, K+1]
     k = draft.shape[1]
     ok = (draft == choice[:, :k]) & (jnp.arange(k) < n_draft[:, None])
     n_acc = _leading_true(ok)
@@ -82,7 +82,7 @@ def joint(draft: jax.Array, draft_logq: jax.Array, n_draft: jax.Array, target_lo
     ok = (ratio > log_tau) & (d <= n_draft[:, None])
     n_acc = jnp.max(jnp.where(ok, d, 0), axis=1).astype(jnp.int32)
     if sampling.greedy:
-        return n_acc, jnp.argmax(_at(target_logits, n_acc), axis=-1).astype(jnp.int32)
+        return n_acc, argmax(_at(target_logits, n_acc))
     return n_acc, sample(_at(p, n_acc), key)
 
 

@@ -23,7 +23,7 @@ import pytest
 from scipy import stats
 
 from jspec import acceptance
-from jspec.sampling import Sampling, probabilities
+from jspec.sampling import Sampling, argmax, probabilities
 
 V = 5
 N = 200_000
@@ -70,6 +70,24 @@ def test_greedy_without_draft_is_argmax():
     n_acc, nxt = acceptance.greedy(jnp.zeros((3, 0), jnp.int32), jnp.zeros((3,), jnp.int32), logits)
     assert n_acc.tolist() == [0, 0, 0] and nxt.tolist() == [3, 0, 7]
 
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_argmax_is_jnp_argmax(dtype):
+    """sampling.argmax (a max, then the first index holding it) picks what jnp.argmax picks: the
+    first of tied maxima (ties are common in bfloat16 and among -inf-masked logits), whole -inf
+    rows, signed zeros, over a vocabulary-sized axis and in any leading shape."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, 4, 49_152)).astype(np.float32)
+    x[0, 0, [7, 1000, 40_000]] = 9.0  # tied maxima: the first wins
+    x[0, 1] = -np.inf
+    x[0, 2, :] = 0.0
+    x[0, 2, 5] = -0.0
+    x[1] = np.round(x[1])  # many ties
+    x = jnp.asarray(x, dtype)
+    got = argmax(x)
+    assert got.dtype == jnp.int32 and got.shape == (3, 4)
+    np.testing.assert_array_equal(got, jnp.argmax(x, axis=-1))
+    assert got[0, 0] == 7
 
 # -- speculative sampling: distribution checks ---------------------------------------------------
 

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec import model
-from jspec.sampling import Sampling, probabilities, sample
+from jspec.sampling import Sampling, argmax, probabilities, sample
 
 
 @jax.tree_util.register_dataclass
@@ -133,7 +133,7 @@ def draft_loop(step, carry, s, controller, sampling: Sampling, key, max_draft: i
         logits, carry = step(carry, j, x, (s.length + j)[:, None])
         key, k_pick, k_keep = jax.random.split(key, 3)
         if sampling.greedy:
-            tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            tok = argmax(logits)
             confidence = jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1)
         else:
             q = probabilities(logits, sampling)

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 
 from jspec import heads, model, predictors
 from jspec.drafters.base import Draft, Drafter, only_if
+from jspec.sampling import argmax
 
 RECENT = 5  # exit depths remembered per row for the online schedule
 CHOICES = ("candidates", "full")
@@ -97,7 +98,7 @@ class SpecEE(Drafter):
             choice = jnp.take_along_axis(cand, jnp.argmax(cand_logits, axis=-1)[:, None], axis=1)[:, 0]
             ok = jnp.ones_like(checked)
             if self.choice == "full":
-                choice = jnp.argmax(model.logits(params, cfg, h[:, 0]), axis=-1).astype(jnp.int32)
+                choice = argmax(model.logits(params, cfg, h[:, 0]))
                 ok = jnp.any(cand == choice[:, None], axis=1)
             leave = going & checked & ok & (predictors.score(dparams["pred"], d - n, x) > dparams["threshold"])
             token = jnp.where(leave, choice, token)

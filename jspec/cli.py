@@ -537,7 +537,7 @@ def _add_distill(sub) -> None:
                    help="text: tokens per forward, padding included (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=32, metavar="K",
                    help="teacher log-probabilities kept per position (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=16, metavar="N", help="answers (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=32, metavar="N", help="answers (default: %(default)s)")
     p.add_argument("--shard-size", type=int, metavar="N",
                    help="sequences per shard (default: 64 answers, 256 text)")
     p.add_argument("--seed", type=int, default=0, help="prompt choice and sampling seed (default: %(default)s)")

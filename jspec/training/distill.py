@@ -41,7 +41,7 @@ MIN_WIDTH = 32  # the narrowest padded width of a forward (padded_widths)
 
 def make(lm, prompts: list[dict], out: str | os.PathLike, *, count: int = 512, max_prompt_tokens: int = 256,
          max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 32, shard_size: int = 64,
-         batch_size: int = 16, seed: int = 0, source: str | None = None, progress: bool = True) -> Path:
+         batch_size: int = 32, seed: int = 0, source: str | None = None, progress: bool = True) -> Path:
     """Write self-distillation shards for `count` of `prompts` (dicts as jspec.jsonl reads them);
     `source` names where the prompts came from (the --prompts values), recorded in meta.json."""
     from tqdm import tqdm

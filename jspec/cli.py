@@ -524,7 +524,7 @@ def _add_distill(sub) -> None:
                    help="--source text: also the prompt + answer rows of these answer folders")
     p.add_argument("--out", required=True, metavar="DIR", help="the data folder")
     p.add_argument("--count", type=int, metavar="N",
-                   help="prompts to use, a seeded choice (default: 512 answers; all the text)")
+                   help="prompts to use, a seeded choice; answers: a larger N extends a folder (default: 512 answers; all the text)")
     p.add_argument("--max-prompt-tokens", type=int, default=256, metavar="N",
                    help="answers: leave out longer prompts (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",

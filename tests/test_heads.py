@@ -85,6 +85,25 @@ def test_distill_data_resumes_missing_shards(lm, data, tmp_path):
         make_data(lm, folder, max_new_tokens=NEW + 1)
 
 
+def test_distill_data_grows_with_a_larger_count(lm, data, tmp_path):
+    """A rerun with a larger --count extends the folder: the prompts already answered keep their
+    shards, the smaller run's short last shard is answered again in full, and the folder equals
+    one made with the larger count from the start. A smaller count is refused."""
+    folder = tmp_path / "data"
+    make_data(lm, folder, count=20)  # shards of 8, 8 and 4 answers
+    shards = sorted(folder.glob("shard-*.npz"))
+    kept = [s.stat().st_mtime_ns for s in shards[:2]]
+    make_data(lm, folder, count=24)
+    assert [s.stat().st_mtime_ns for s in shards[:2]] == kept
+    meta, grown = distill.load(folder)
+    _, reference = distill.load(data)
+    assert meta["count"] == 24
+    for name in reference:
+        np.testing.assert_array_equal(grown[name], reference[name])
+    with pytest.raises(JspecError, match="count 24 -> 16"):
+        make_data(lm, folder, count=16)
+
+
 def make_text(lm, folder, sequences, **kw):
     return teacher_forced.make(lm, sequences, folder, **{**dict(max_tokens=40, top_k=8, shard_size=16,
                                                               batch_tokens=160, progress=False), **kw})

@@ -17,7 +17,8 @@ the same arrays, prompt_lens being the first target position, plus prompt_key; `
 kinds alike, with `prompt_key` (which prompt a row came from, for splitting by prompt).
 
 Shards are written whole (temporary name, then rename); a rerun skips the shards that exist,
-so an interrupted run resumes losing at most one shard.
+so an interrupted run resumes losing at most one shard, and a rerun with a larger count extends
+the folder (the last shard of the smaller run answered again if it was short).
 """
 
 from __future__ import annotations
@@ -52,10 +53,12 @@ def make(lm, prompts: list[dict], out: str | os.PathLike, *, count: int = 512, m
     meta = {"format": FORMAT, "model": lm.name, "prompts": source, "count": count, "max_prompt_tokens": max_prompt_tokens,
             "max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
             "shard_size": shard_size, "seed": seed}
-    check_or_write_meta(out, meta)
+    check_or_write_meta(out, meta, grows="count")
     chosen = choose(lm, prompts, count, max_prompt_tokens, seed)
     shards = [chosen[i:i + shard_size] for i in range(0, len(chosen), shard_size)]
-    todo = [i for i in range(len(shards)) if not shard_path(out, i).exists()]
+    # A shard is done when it holds all its prompts: a smaller count's last shard may be short.
+    todo = [i for i in range(len(shards))
+            if not shard_path(out, i).exists() or len(np.load(shard_path(out, i))["prompt_lens"]) != len(shards[i])]
     with tqdm(total=len(chosen), initial=len(chosen) - sum(len(shards[i]) for i in todo), unit="prompt",
               disable=not progress, dynamic_ncols=True) as bar:
         for i in todo:
@@ -65,13 +68,19 @@ def make(lm, prompts: list[dict], out: str | os.PathLike, *, count: int = 512, m
     return out
 
 
-def check_or_write_meta(out: Path, meta: dict) -> None:
+def check_or_write_meta(out: Path, meta: dict, grows: str | None = None) -> None:
+    """Write meta.json in a new folder; in an existing one, the settings must be those it was made
+    with, except that `grows` may increase (a larger --count extends a folder of answers: the
+    seeded order is the same whatever the count, so what it holds stays a prefix)."""
     path = out / "meta.json"
     if path.exists():
         old = json.loads(path.read_text())
-        if old != meta:
-            changed = ", ".join(f"{k} {old.get(k)!r} -> {v!r}" for k, v in meta.items() if old.get(k) != v)
-            raise JspecError(f"{out} holds data made with other settings ({changed}); use another folder")
+        changed = [k for k in meta if old.get(k) != meta[k]] + [k for k in old if k not in meta]
+        if changed == [grows] and meta[grows] > old[grows]:
+            path.write_text(json.dumps(meta, indent=1) + "\n")
+        elif changed:
+            said = ", ".join(f"{k} {old.get(k)!r} -> {meta.get(k)!r}" for k in changed)
+            raise JspecError(f"{out} holds data made with other settings ({said}); use another folder")
         return
     if out.exists() and any(out.iterdir()):
         raise JspecError(f"{out} exists, is not empty and holds no distillation data")

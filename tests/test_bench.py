@@ -263,3 +263,27 @@ def test_steady_run_repeats_only_a_run_that_compiled():
 
     assert bench.steady_run(model, run) == 2  # the second run is the one returned
     assert bench.steady_run(model, run) == 3 and calls == [0, 1, 2]
+
+
+def test_speedup_interval_brackets_the_ratio():
+    """The overall table's 95% interval resamples the questions, the same draw for both methods:
+    a method twice as fast on every question gets exactly 2-2x; uneven per-question ratios give
+    an interval around the point speedup that narrows as questions are added."""
+    def report(ratios):
+        prompts = [{"id": i, "category": "c"} for i in range(len(ratios))]
+        rows = [{"id": i, "method": m, "batch_size": 1, "tokens_per_second": (10.0 + i) * (r if m == "x" else 1)}
+                for i, r in enumerate(ratios) for m in ("ar", "x")]
+        return bench_report.Report(rows, prompts, ["ar", "x"], [], [1], "", {}, "", None)
+
+    even = report([2.0] * 5)
+    ids = even._ids()
+    assert even.speedup_interval("x", 1, ids) == pytest.approx((even.speedup("x", 1, ids),) * 2)
+    assert report([1.0, 2.0]).speedup_interval("x", 1, [json.dumps(0), json.dumps(1)]) is None  # too few
+    rng = np.random.default_rng(1)
+    widths = []
+    for n in (8, 64):
+        r = report(rng.uniform(0.5, 3.0, n).tolist())
+        lo, hi = r.speedup_interval("x", 1, r._ids())
+        assert lo < r.speedup("x", 1, r._ids()) < hi
+        widths.append(hi - lo)
+    assert widths[1] < widths[0]

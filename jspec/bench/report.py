@@ -1,7 +1,8 @@
 """The tables, Markdown report and plots of `jspec bench`, computed from its result rows.
 
 Spec-Bench aggregation: tokens/s is the mean over questions of new_tokens / seconds; speedup is a
-method's mean tokens/s over jspec `ar`'s on the same questions; mean accepted tokens (bonus token
+method's mean tokens/s over jspec `ar`'s on the same questions, with a 95% interval over the choice
+of questions (a seeded bootstrap); mean accepted tokens (bonus token
 included) is averaged over questions. Batch throughput is total new tokens over total batch time,
 each batch counted once (a row carries its batch's seconds and how many prompts shared it).
 """
@@ -17,6 +18,8 @@ import platform
 import statistics
 import sys
 from pathlib import Path
+
+import numpy as np
 
 INTRO = ("# Benchmarks\n\nMeasured with `jspec bench` (see `benchmarks/README.md`; `benchmarks/run_all.sh` "
          "regenerates this page). The section between the bench markers is rewritten on each run; "
@@ -107,6 +110,23 @@ class Report:
         a, c = self.tps(method, b, common), self.tps(name, bb or b, common)
         return a / c if a and c else None
 
+    def speedup_interval(self, method, b, ids, base=("ar", None), resamples: int = 2000):
+        """A 95% interval of `speedup` over the choice of questions: the ratio recomputed on
+        `resamples` draws of the common questions with replacement (the same draw for both
+        methods, seeded), its 2.5th and 97.5th percentiles; None below 3 questions. It says how
+        much the ratio depends on which questions were asked, not how the host's speed drifts
+        between runs."""
+        name, bb = base
+        mine, theirs = self.rows.get((method, b), {}), self.rows.get((name, bb or b), {})
+        common = [i for i in ids if i in mine and i in theirs]
+        if len(common) < 3:
+            return None
+        a = np.array([mine[i]["tokens_per_second"] for i in common])
+        c = np.array([theirs[i]["tokens_per_second"] for i in common])
+        draw = np.random.default_rng(0).integers(0, len(common), (resamples, len(common)))
+        lo, hi = np.percentile(a[draw].mean(1) / c[draw].mean(1), [2.5, 97.5])
+        return float(lo), float(hi)
+
     def accepted(self, method, b, ids):
         got = self.rows.get((method, b), {})
         return _mean(got[i]["mean_accepted_tokens"] for i in ids if i in got)
@@ -169,11 +189,13 @@ class Report:
                 miss = f"({sum(r.get('same_as_ar') is False for r in got.values())})"
             if m in self.lossy_labels():
                 miss = "(lossy)"
+            interval = self.speedup_interval(m, bm, ids, ("ar", b)) if m != "ar" else None
             rows.append([f"`{m}`", str(len(got)), _fmt(self.tps(m, bm, ids), ".1f"),
                          _fmt(self.speedup(m, bm, ids, ("ar", b)), ".2f", "x"),
+                         "-" if interval is None else f"{interval[0]:.2f}-{interval[1]:.2f}x",
                          _fmt(self.speedup(m, bm, ids, hf_base), ".2f", "x") if hf_base else "-",
                          _fmt(self.accepted(m, bm, ids), ".2f"), miss])
-        return _table(["method", "prompts", "tokens/s", "speedup vs jspec ar", "speedup vs HF generate",
+        return _table(["method", "prompts", "tokens/s", "speedup vs jspec ar", "95% interval", "speedup vs HF generate",
                        "mean accepted tokens", "mismatches vs ar"], rows)
 
     def category_table(self, what: str) -> str:
@@ -232,7 +254,9 @@ class Report:
         title = "Results" if section == "bench" else f"Results: {section}"
         out = [begin, "", f"## {title}", "", self.setup(), "", f"### Overall (batch {b})", "", self.overall_table(), "",
                "tokens/s: mean over questions of new tokens / seconds (prefill included, compilation excluded). "
-               "Speedups: ratio of mean tokens/s on the same questions, same run. Mean accepted tokens per "
+               "Speedups: ratio of mean tokens/s on the same questions, same run; its 95% interval over the "
+               "choice of questions (2,000 resamples of them with replacement; timing drift between runs "
+               "comes on top). Mean accepted tokens per "
                "target forward counts the bonus token (ar = 1.00). Mismatches: prompts whose tokens differ "
                "from jspec `ar`; 0 for every lossless jspec method, and in parentheses for Hugging Face "
                "(torch kernels round differently, so near-ties may flip).", "",

@@ -217,8 +217,9 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid
     scale = q.shape[-1] ** -0.5
     scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) * scale
     key = jnp.arange(k.shape[1])[None, None, :]
-    visible = key <= q_pos[:, :, None]  # [B, T, S]
-    if prefix is not None:
+    if prefix is None:
+        visible = key <= q_pos[:, :, None]  # [B, T, S]
+    else:
         visible = (key < prefix[:, :, None]) | (key == q_pos[:, :, None])
     if valid is not None:
         visible = visible & valid[:, None, :]

@@ -102,12 +102,16 @@ class Report:
         got = self.rows.get((method, b), {})
         return _mean(got[i]["tokens_per_second"] for i in ids if i in got)
 
-    def speedup(self, method, b, ids, base=("ar", None)):
-        """Mean tokens/s of `method` over that of `base` on the questions both have."""
+    def _paired(self, method, b, ids, base):
+        """(method's rows, base's rows, the questions of ids both have)."""
         name, bb = base
         mine, theirs = self.rows.get((method, b), {}), self.rows.get((name, bb or b), {})
-        common = [i for i in ids if i in mine and i in theirs]
-        a, c = self.tps(method, b, common), self.tps(name, bb or b, common)
+        return mine, theirs, [i for i in ids if i in mine and i in theirs]
+
+    def speedup(self, method, b, ids, base=("ar", None)):
+        """Mean tokens/s of `method` over that of `base` on the questions both have."""
+        mine, theirs, common = self._paired(method, b, ids, base)
+        a, c = _mean(mine[i]["tokens_per_second"] for i in common), _mean(theirs[i]["tokens_per_second"] for i in common)
         return a / c if a and c else None
 
     def speedup_interval(self, method, b, ids, base=("ar", None), resamples: int = 2000):
@@ -116,9 +120,7 @@ class Report:
         methods, seeded), its 2.5th and 97.5th percentiles; None below 3 questions. It says how
         much the ratio depends on which questions were asked, not how the host's speed drifts
         between runs."""
-        name, bb = base
-        mine, theirs = self.rows.get((method, b), {}), self.rows.get((name, bb or b), {})
-        common = [i for i in ids if i in mine and i in theirs]
+        mine, theirs, common = self._paired(method, b, ids, base)
         if len(common) < 3:
             return None
         a = np.array([mine[i]["tokens_per_second"] for i in common])

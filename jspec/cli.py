@@ -525,6 +525,9 @@ def _add_distill(sub) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="the data folder")
     p.add_argument("--count", type=int, metavar="N",
                    help="prompts to use, a seeded choice; answers: a larger N extends a folder (default: 512 answers; all the text)")
+    p.add_argument("--skip", type=int, default=0, metavar="N",
+                   help="answers: leave out the first N prompts of the seeded choice, which another folder or "
+                        "machine answers (--count N there); the two folders train as one (default: %(default)s)")
     p.add_argument("--max-prompt-tokens", type=int, default=256, metavar="N",
                    help="answers: leave out longer prompts (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
@@ -560,12 +563,15 @@ def cmd_distill(args: argparse.Namespace) -> int:
         prompts += read_prompts(source)
     if args.source == "answers" and args.answers:
         raise JspecError("--answers goes with --source text")
+    if args.source == "text" and args.skip:
+        raise JspecError("--skip goes with --source answers (--count samples the text)")
     model = load_model(args)
     if args.source == "answers":
         out = distill.make(model, prompts, args.out, count=args.count or 512,
                            max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_k=args.top_k, shard_size=args.shard_size or 64,
-                           batch_size=args.batch_size, seed=args.seed, source=" ".join(args.prompts))
+                           batch_size=args.batch_size, seed=args.seed, skip=args.skip,
+                           source=" ".join(args.prompts))
     else:
         if args.count is not None:
             prompts = random.Random(args.seed).sample(prompts, min(args.count, len(prompts)))

@@ -104,6 +104,20 @@ def test_distill_data_grows_with_a_larger_count(lm, data, tmp_path):
         make_data(lm, folder, count=16)
 
 
+def test_distill_data_splits_over_folders_with_skip(lm, data, tmp_path):
+    """--skip N answers what comes after the first N prompts of the seeded order: two folders,
+    --count 16 and --skip 16, hold what one run of 24 holds; a skip past the prompts is refused."""
+    make_data(lm, tmp_path / "rest", count=8, skip=16)
+    meta, rest = distill.load(tmp_path / "rest")
+    _, reference = distill.load(data)
+    assert meta["skip"] == 16 and meta["count"] == 8
+    for name in reference:
+        np.testing.assert_array_equal(rest[name], reference[name][16:])
+    with pytest.raises(JspecError, match="no prompt is left after skipping 40"):
+        make_data(lm, tmp_path / "none", count=8, skip=40)
+    assert not (tmp_path / "none").exists()
+
+
 def make_text(lm, folder, sequences, **kw):
     return teacher_forced.make(lm, sequences, folder, **{**dict(max_tokens=40, top_k=8, shard_size=16,
                                                               batch_tokens=160, progress=False), **kw})

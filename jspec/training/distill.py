@@ -1,7 +1,7 @@
 """Self-distillation data: the target's own answers to training prompts, and its distributions.
 
 `make(model, prompts, out, ...)` picks prompts (a seeded shuffle, prompts longer than
-`max_prompt_tokens` left out), lets the target answer them with jspec's own decoding (greedy, or
+`max_prompt_tokens` left out, the first `skip` of that order left to another folder), lets the target answer them with jspec's own decoding (greedy, or
 sampled with `temperature`), and keeps the top-k next-token log-probabilities behind every answer
 token, which the decoding loop returns with the tokens (`logprobs`; a second forward over prompt +
 answer used to compute them again, half of the run's time). Heads train against those, so a
@@ -42,19 +42,28 @@ MIN_WIDTH = 32  # the narrowest padded width of a forward (padded_widths)
 
 def make(lm, prompts: list[dict], out: str | os.PathLike, *, count: int = 512, max_prompt_tokens: int = 256,
          max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 32, shard_size: int = 64,
-         batch_size: int = 32, seed: int = 0, source: str | None = None, progress: bool = True) -> Path:
-    """Write self-distillation shards for `count` of `prompts` (dicts as jspec.jsonl reads them);
-    `source` names where the prompts came from (the --prompts values), recorded in meta.json."""
+         batch_size: int = 32, seed: int = 0, skip: int = 0, source: str | None = None,
+         progress: bool = True) -> Path:
+    """Write self-distillation shards for `count` of `prompts` (dicts as jspec.jsonl reads them),
+    those after the first `skip` of the seeded order: one run split over folders or machines
+    (`skip` 0 and `count` N, then `skip` N) makes what one run would. `source` names where the
+    prompts came from (the --prompts values), recorded in meta.json."""
     from tqdm import tqdm
 
     if count < 1 or max_new_tokens < 1 or top_k < 1 or shard_size < 1 or batch_size < 1:
         raise JspecError("count, max-new-tokens, top-k, shard-size and batch-size must all be >= 1")
+    if skip < 0:
+        raise JspecError(f"skip must be >= 0, got {skip}")
     out = Path(out)
     meta = {"format": FORMAT, "model": lm.name, "prompts": source, "count": count, "max_prompt_tokens": max_prompt_tokens,
             "max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
             "shard_size": shard_size, "seed": seed}
+    if skip:  # only when used, so that folders made before it resume
+        meta["skip"] = skip
+    chosen = choose(lm, prompts, skip + count, max_prompt_tokens, seed)[skip:]
+    if not chosen:
+        raise JspecError(f"no prompt is left after skipping {skip}: the prompts hold fewer that fit")
     check_or_write_meta(out, meta, grows="count")
-    chosen = choose(lm, prompts, count, max_prompt_tokens, seed)
     shards = [chosen[i:i + shard_size] for i in range(0, len(chosen), shard_size)]
     # A shard is done when it holds all its prompts: a smaller count's last shard may be short.
     todo = [i for i in range(len(shards))

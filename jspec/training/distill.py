@@ -1,10 +1,11 @@
 """Self-distillation data: the target's own answers to training prompts, and its distributions.
 
 `make(model, prompts, out, ...)` picks prompts (a seeded shuffle, prompts longer than
-`max_prompt_tokens` left out, the first `skip` of that order left to another folder), lets the target answer them with jspec's own decoding (greedy, or
-sampled with `temperature`), and keeps the top-k next-token log-probabilities behind every answer
-token, which the decoding loop returns with the tokens (`logprobs`; a second forward over prompt +
-answer used to compute them again, half of the run's time). Heads train against those, so a
+`max_prompt_tokens` left out, the first `skip` of that order left to another folder), lets the
+target answer them with jspec's own decoding (greedy, or sampled with `temperature`), and keeps
+the top-k next-token log-probabilities behind every answer token, which the decoding loop returns
+with the tokens (`logprobs`; a second forward over prompt + answer used to compute them again,
+half of the run's time). Heads train against those, so a
 head for any exit layer trains from the same data (the frozen first N layers are recomputed in
 training; they cost less than storing hidden states for every candidate layer).
 
@@ -60,9 +61,7 @@ def make(lm, prompts: list[dict], out: str | os.PathLike, *, count: int = 512, m
             "shard_size": shard_size, "seed": seed}
     if skip:  # only when used, so that folders made before it resume
         meta["skip"] = skip
-    chosen = choose(lm, prompts, skip + count, max_prompt_tokens, seed)[skip:]
-    if not chosen:
-        raise JspecError(f"no prompt is left after skipping {skip}: the prompts hold fewer that fit")
+    chosen = choose(lm, prompts, count, max_prompt_tokens, seed, skip)
     check_or_write_meta(out, meta, grows="count")
     shards = [chosen[i:i + shard_size] for i in range(0, len(chosen), shard_size)]
     # A shard is done when it holds all its prompts: a smaller count's last shard may be short.
@@ -97,9 +96,10 @@ def check_or_write_meta(out: Path, meta: dict, grows: str | None = None) -> None
     path.write_text(json.dumps(meta, indent=1) + "\n")
 
 
-def choose(lm, prompts, count, max_prompt_tokens, seed):
-    """The first `count` requests, in a seeded shuffle of `prompts`, whose prompt fits in
-    `max_prompt_tokens` tokens: the same seed gives the same order whatever the count."""
+def choose(lm, prompts, count, max_prompt_tokens, seed, skip=0):
+    """The first `count` requests after the first `skip`, in a seeded shuffle of `prompts`, whose
+    prompt fits in `max_prompt_tokens` tokens: the same seed gives the same order whatever the
+    count and skip."""
     order = list(range(len(prompts)))
     random.Random(seed).shuffle(order)
     chosen = []
@@ -107,10 +107,12 @@ def choose(lm, prompts, count, max_prompt_tokens, seed):
         [req] = lm.requests([prompts[i]], start=i)
         if len(req.token_ids) <= max_prompt_tokens:
             chosen.append(req)
-            if len(chosen) == count:
+            if len(chosen) == skip + count:
                 break
+    chosen = chosen[skip:]
     if not chosen:
-        raise JspecError(f"no prompt fits in {max_prompt_tokens} tokens")
+        raise JspecError(f"no prompt is left after skipping {skip}: the prompts hold fewer that fit" if skip
+                         else f"no prompt fits in {max_prompt_tokens} tokens")
     return chosen
 
 

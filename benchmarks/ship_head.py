@@ -41,7 +41,8 @@ def describe(d: dict) -> str:
                 f"top-{d['top_k']} teacher log-probabilities")
     sets = {"all": "every training set (train_prompts and the six domain files)"}.get(d.get("prompts"),
                                                                                      d.get("prompts") or "train_prompts")
-    return (f"{d['sequences']} prompts of {sets} (seeded sample, seed {d['seed']}, prompts "
+    after = f", after its first {d['skip']}" if d.get("skip") else ""
+    return (f"{d['sequences']} prompts of {sets} (seeded sample, seed {d['seed']}{after}, prompts "
             f"of at most {d['max_prompt_tokens']} tokens), the model's own greedy answers of at most "
             f"{d['max_new_tokens']} tokens, top-{d['top_k']} teacher log-probabilities")
 
@@ -50,21 +51,29 @@ def command(i: int, d: dict) -> str:
     if d.get("source") == "text":
         return (f"jspec distill-data --source text --prompts all --out data{i} --max-tokens {d['max_tokens']} "
                 f"--top-k {d['top_k']} --shard-size {d['shard_size']}  # {d['sequences']} sequences")
-    stopped = f"  # stopped after {d['sequences']} prompts" if d["sequences"] < d["count"] else ""
-    return (f"jspec distill-data --out data{i} --prompts {d.get('prompts') or 'train_prompts'} --count {d['count']} "
+    # fewer than asked: stopped early, or all that fit after the skip
+    held = f"  # {d['sequences']} prompts" if d["sequences"] < d["count"] else ""
+    skip = f" --skip {d['skip']}" if d.get("skip") else ""
+    return (f"jspec distill-data --out data{i} --prompts {d.get('prompts') or 'train_prompts'}{skip} --count {d['count']} "
             f"--max-prompt-tokens {d['max_prompt_tokens']} --max-new-tokens {d['max_new_tokens']} --top-k {d['top_k']} "
-            f"--seed {d['seed']}{stopped}")
+            f"--seed {d['seed']}{held}")
 
 
 def folders_of(t: dict) -> list[dict]:
     return [t["data"]] if isinstance(t["data"], dict) else t["data"]  # heads before several --data: one
 
 
+def stages(t: dict) -> int:
+    """How many train-head runs made the head of training summary `t` (each --init one more)."""
+    return 1 + stages(t["started_from"]) if t["recipe"].get("init") else 1
+
+
 def reproduce(kind: str, exit_layer: int, t: dict, out: str, names: dict) -> list[str]:
     """The commands that make a head of training summary `t`: those of the head it started from
     (--init) first, then its data folders (each named once in `names`), then its train-head."""
     r = t["recipe"]
-    lines = reproduce(kind, exit_layer, t["started_from"], f"{out}-start", names) if r.get("init") else []
+    start = f"{kind}-head-{stages(t['started_from'])}" if r.get("init") else None
+    lines = reproduce(kind, exit_layer, t["started_from"], start, names) if start else []
     args = {"--data": [], "--eval-data": []}
     for d in folders_of(t):
         content = {k: v for k, v in d.items() if k not in ("path", "held_out")}
@@ -72,18 +81,24 @@ def reproduce(kind: str, exit_layer: int, t: dict, out: str, names: dict) -> lis
         if key not in names:
             i = len(names)
             names[key] = f"data{i}"
-            # a folder that differs from an earlier one only in how many sequences it holds: some of its shards
-            parent = [n for k, n in names.items() if n != names[key]
+            # a folder that differs from an earlier one only in how many sequences it holds: the same run,
+            # linked in part or taken further
+            parent = [(n, json.loads(k)["sequences"]) for k, n in names.items() if n != names[key]
                       and {**json.loads(k), "sequences": 0} == {**content, "sequences": 0}]
-            lines.append(f"# data{i}: {d['sequences']} of {parent[0]}'s prompts, some of its shards linked into "
-                         f"a folder of their own" if parent else command(i, d))
+            if not parent:
+                lines.append(command(i, d))
+            elif d["sequences"] < parent[0][1]:
+                lines.append(f"# data{i}: {d['sequences']} of {parent[0][0]}'s prompts, some of its shards linked "
+                             f"into a folder of their own")
+            else:
+                lines.append(f"# data{i}: {parent[0][0]}'s command run further, to {d['sequences']} prompts")
         args["--eval-data" if d.get("held_out") else "--data"].append(names[key])
     depth = r.get("head_layers", 1)
     lines.append(
         f"jspec train-head --kind {kind}{'' if kind == 'eagle' else f' --exit-layer {exit_layer}'}"
         f"{f' --head-layers {depth}' if depth > 1 else ''}"
         + "".join(f" {flag} {' '.join(v)}" for flag, v in args.items() if v)
-        + f"{f' --init {out}-start' if r.get('init') else ''} --out {out} --steps {r['steps']} --lr {r['lr']} "
+        + f"{f' --init {start}' if start else ''} --out {out} --steps {r['steps']} --lr {r['lr']} "
           f"--b2 {r.get('b2', 0.999)} --warmup {r['warmup']} --clip {r['clip']} --draft-vocab {r['draft_vocab']} "
           f"--eval-every {r.get('eval_every', 0)} --patience {r.get('patience', 5)}")
     return lines
@@ -117,7 +132,7 @@ def main() -> None:
     r = t["recipe"]
     depth = r.get("head_layers", 1)
     trained_on = [d for d in folders_of(t) if not d.get("held_out")]
-    start = " from a trained head (the first train-head below)" if r.get("init") else ""
+    start = " from a trained head (the train-head runs before the last below)" if r.get("init") else ""
     card = f"""# {kind} head for SmolLM2-135M-Instruct
 
 | | |

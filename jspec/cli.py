@@ -619,8 +619,9 @@ def _add_train_head(sub) -> None:
     p.add_argument("--draft-vocab", type=int, default=r.draft_vocab, metavar="M",
                    help="draft-only vocabulary: the M most frequent answer tokens; 0 = all (default: %(default)s)")
     p.add_argument("--init", default=r.init, metavar="HEAD",
-                   help="start from this trained head (same kind, exit layer and head layers; its draft "
-                        "vocabulary is kept), e.g. to go on training a shipped head on new data")
+                   help="start from this trained head (same kind and exit layer; its draft vocabulary is kept), "
+                        "e.g. to go on training a shipped head on new data; a larger --head-layers grows it "
+                        "by layers that start out adding nothing")
     p.add_argument("--eval-fraction", type=float, default=r.eval_fraction, help="(default: %(default)s)")
     p.add_argument("--save-every", type=int, default=r.save_every, metavar="STEPS", help="(default: %(default)s)")
     p.add_argument("--eval-every", type=int, default=r.eval_every, metavar="STEPS",

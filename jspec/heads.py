@@ -83,6 +83,18 @@ def init(params, cfg: ModelConfig, kind: str, exit_layer: int, vocab: jax.Array,
     return hp
 
 
+def grow(params, cfg: ModelConfig, kind: str, exit_layer: int, hp: dict, depth: int) -> dict:
+    """A trained head `hp` with layers appended up to `depth`, each what `init` would put there but
+    with its output projections (wo, and w_down for a full block) zero: a residual branch that adds
+    nothing, so the grown head computes exactly what `hp` did until training moves them."""
+    have = len(hp["layers"])
+    if have > depth:
+        raise JspecError(f"a head of {have} layers cannot grow to {depth}")
+    added = init(params, cfg, kind, exit_layer, hp["vocab"], depth)["layers"][have:]
+    added = [{k: jnp.zeros_like(v) if k in ("wo", "w_down") else v for k, v in lp.items()} for lp in added]
+    return {**hp, "layers": [*hp["layers"], *added]}
+
+
 def fuse_input(params, hp: dict, tokens: jax.Array, prev: jax.Array) -> jax.Array:
     """An EAGLE head's input [B, T, D]: tokens [B, T] embedded, beside prev [B, T, D], the target's
     final-normed state at each token's previous position, through `fuse` [D, 2D]."""

@@ -341,6 +341,38 @@ def test_training_goes_on_from_a_saved_head(lm, data, tmp_path):
         train.train(lm, data, tmp_path / "other", train.Recipe(**{**again.__dict__, "exit_layer": 2}), progress=False)
 
 
+@pytest.mark.parametrize("kind", ["kangaroo", "eesd"])
+def test_a_grown_head_computes_what_it_grew_from(lm, tmp_path, kind):
+    """--init with a larger --head-layers appends layers that add nothing yet: the grown head's
+    logits equal the saved head's, and training then moves the new layers."""
+    cfg = lm.cfg
+    hp = heads.init(lm.params, cfg, kind, 1, np.arange(7, 60, dtype=np.int32))
+    hp = jax.tree.map(lambda x: x + 1e-2 * np.random.default_rng(0).standard_normal(x.shape).astype(x.dtype)
+                      if x.dtype != np.int32 else x, hp)  # a trained head is no longer the target's layer
+    grown = heads.grow(lm.params, cfg, kind, 1, hp, 2)
+    assert len(grown["layers"]) == 2
+    tokens = jnp.asarray(token_prompts(1, cfg.vocab_size)[0]["token_ids"])[None]
+    h = M.embed(lm.params, tokens)
+    logits = [heads.vocab_logits(cfg, heads.draft_params(lm.params, p),
+                                 heads.block(cfg, p, h, None, heads.empty_kv(cfg, p, *tokens.shape))[0])
+              for p in (hp, grown)]
+    np.testing.assert_array_equal(np.asarray(logits[0]), np.asarray(logits[1]))
+    with pytest.raises(JspecError, match="cannot grow"):
+        heads.grow(lm.params, cfg, kind, 1, grown, 1)
+
+
+def test_training_grows_a_saved_head(lm, data, tmp_path):
+    first, _ = train.train(lm, data, tmp_path / "first", RECIPE, progress=False)
+    deeper = train.Recipe(**{**RECIPE.__dict__, "init": str(first), "head_layers": 2, "steps": 10})
+    path, _ = train.train(lm, data, tmp_path / "deeper", deeper, progress=False)
+    hp, meta = heads.load(path, lm.cfg)
+    assert len(hp["layers"]) == 2 and meta["training"]["started_from"] == heads.read_meta(first)["training"]
+    assert np.abs(np.asarray(hp["layers"][1]["wo"])).max() > 0  # the new layer learned
+    with pytest.raises(JspecError, match="at least its --head-layers"):
+        train.train(lm, data, tmp_path / "shallower", train.Recipe(**{**deeper.__dict__, "init": str(path),
+                                                                       "head_layers": 1}), progress=False)
+
+
 def test_head_for_another_model_is_refused(lm, make_tiny, tmp_path):
     hp = heads.init(lm.params, lm.cfg, "kangaroo", 1, np.arange(lm.cfg.vocab_size, dtype=np.int32))
     path = heads.save(tmp_path / "h", hp, {"kind": "kangaroo", "exit_layer": 1, "model": heads.fingerprint(lm.cfg)})

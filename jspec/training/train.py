@@ -443,14 +443,14 @@ def train(lm, data_dirs, out, recipe: Recipe, eval_dirs=(), progress: bool = Tru
 
 
 def start_head(lm, recipe: Recipe) -> tuple[dict, dict]:
-    """(the parameters, the training summary) of `recipe.init`, a saved head of the recipe's kind,
-    exit layer and depth."""
+    """(the parameters, the training summary) of `recipe.init`, a saved head of the recipe's kind
+    and exit layer, grown to the recipe's depth if it has fewer layers (heads.grow)."""
     hp, meta = heads.load(recipe.init, lm.cfg, lm.mesh)
     have = (meta["kind"], meta["exit_layer"], len(hp["layers"]))
-    if have != (recipe.kind, recipe.exit_layer, recipe.head_layers):
+    if have[:2] != (recipe.kind, recipe.exit_layer) or have[2] > recipe.head_layers:
         raise JspecError(f"--init {recipe.init} is a {have[0]} head at exit layer {have[1]} with {have[2]} layer(s); "
-                         f"ask for the same --kind, --exit-layer and --head-layers")
-    return hp, meta.get("training", {})
+                         f"ask for the same --kind and --exit-layer, and at least its --head-layers")
+    return heads.grow(lm.params, lm.cfg, recipe.kind, recipe.exit_layer, hp, recipe.head_layers), meta.get("training", {})
 
 
 def saved_steps(ckpt_dir: Path) -> list[int]:

@@ -41,6 +41,12 @@ def make_data(lm, folder, count=24, **kw):
     return distill.make(lm, token_prompts(40, lm.cfg.vocab_size), folder, **{**opts, **kw})
 
 
+def perturbed(hp: dict, scale: float) -> dict:
+    """Head parameters with seeded noise of `scale` on every float array (the vocabulary kept)."""
+    return jax.tree.map(lambda x: x + scale * np.random.default_rng(0).standard_normal(x.shape).astype(x.dtype)
+                        if x.dtype != np.int32 else x, hp)
+
+
 @pytest.fixture(scope="module")
 def data(lm, tmp_path_factory):
     return make_data(lm, tmp_path_factory.mktemp("distill") / "data")
@@ -291,9 +297,7 @@ def test_one_layer_heads_of_format_2_load(lm, tmp_path):
 
 
 def test_saved_head_restores_bit_identically(lm, tmp_path):
-    hp = heads.init(lm.params, lm.cfg, "eesd", 2, np.arange(7, 60, dtype=np.int32))
-    hp = jax.tree.map(lambda x: x + 1e-3 * np.random.default_rng(0).standard_normal(x.shape).astype(x.dtype)
-                      if x.dtype != np.int32 else x, hp)
+    hp = perturbed(heads.init(lm.params, lm.cfg, "eesd", 2, np.arange(7, 60, dtype=np.int32)), 1e-3)
     path = heads.save(tmp_path / "h", hp, {"kind": "eesd", "exit_layer": 2, "model": heads.fingerprint(lm.cfg)})
     restored, meta = heads.load(path, lm.cfg)
     assert jax.tree.structure(restored) == jax.tree.structure(hp)
@@ -344,11 +348,10 @@ def test_training_goes_on_from_a_saved_head(lm, data, tmp_path):
 @pytest.mark.parametrize("kind", ["kangaroo", "eesd"])
 def test_a_grown_head_computes_what_it_grew_from(lm, tmp_path, kind):
     """--init with a larger --head-layers appends layers that add nothing yet: the grown head's
-    logits equal the saved head's, and training then moves the new layers."""
+    logits equal the saved head's (test_training_grows_a_saved_head: training then moves them)."""
     cfg = lm.cfg
-    hp = heads.init(lm.params, cfg, kind, 1, np.arange(7, 60, dtype=np.int32))
-    hp = jax.tree.map(lambda x: x + 1e-2 * np.random.default_rng(0).standard_normal(x.shape).astype(x.dtype)
-                      if x.dtype != np.int32 else x, hp)  # a trained head is no longer the target's layer
+    # perturbed: a trained head is no longer a copy of the target's layer
+    hp = perturbed(heads.init(lm.params, cfg, kind, 1, np.arange(7, 60, dtype=np.int32)), 1e-2)
     grown = heads.grow(lm.params, cfg, kind, 1, hp, 2)
     assert len(grown["layers"]) == 2
     tokens = jnp.asarray(token_prompts(1, cfg.vocab_size)[0]["token_ids"])[None]

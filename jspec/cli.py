@@ -231,6 +231,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise JspecError("the prompt is empty")
     elif args.output is None:
         raise _UsageError("--prompts needs --output OUT.jsonl")
+    elif os.path.exists(args.output) and os.path.exists(args.prompts) and os.path.samefile(args.output, args.prompts):
+        raise JspecError(f"--output {args.output} is the --prompts file: the records would replace the prompts")
     check_generation_args(args)
     if args.distributed or args.coordinator or args.num_processes is not None or args.process_id is not None:
         _join(args)
@@ -561,6 +563,8 @@ def cmd_distill(args: argparse.Namespace) -> int:
         if source.name in ("spec_bench.jsonl", "spec_bench.jsonl.gz"):
             raise JspecError("spec_bench is the evaluation set: distill from training prompts")
         prompts += read_prompts(source)
+    if args.count is not None and args.count < 1:
+        raise JspecError(f"--count must be >= 1, got {args.count}")
     if args.source == "answers" and args.answers:
         raise JspecError("--answers goes with --source text")
     if args.source == "text" and args.skip:
@@ -634,7 +638,8 @@ def _add_train_head(sub) -> None:
 
 
 def cmd_train_head(args: argparse.Namespace) -> int:
-    from jspec.heads import read_meta
+    from jspec import heads
+    from jspec.convert import store
     from jspec.training import train
 
     recipe = train.Recipe(kind=args.kind, exit_layer=args.exit_layer, head_layers=args.head_layers, steps=args.steps, batch_size=args.batch_size,
@@ -649,7 +654,8 @@ def cmd_train_head(args: argparse.Namespace) -> int:
         if not os.path.isfile(os.path.join(folder, "meta.json")):
             raise JspecError(f"{folder} holds no distillation data (no meta.json); run jspec distill-data first")
     if args.init:
-        read_meta(args.init)  # before the model loads
+        heads.read_meta(args.init)  # before the model loads
+    store.check_output(args.out, heads.META)
     model = load_model(args)
     if args.exit_layer is None:
         recipe = dataclasses.replace(recipe, exit_layer=model.cfg.num_layers)
@@ -681,6 +687,8 @@ def _add_train_predictors(sub) -> None:
 
 
 def cmd_train_predictors(args: argparse.Namespace) -> int:
+    from jspec import predictors as saved_predictors
+    from jspec.convert import store
     from jspec.jsonl import read_prompts
     from jspec.training import predictors
 
@@ -688,6 +696,7 @@ def cmd_train_predictors(args: argparse.Namespace) -> int:
     if source.name in ("spec_bench.jsonl", "spec_bench.jsonl.gz"):
         raise JspecError("spec_bench is the evaluation set: train on training prompts")
     prompts = read_prompts(source)
+    store.check_output(args.out, saved_predictors.META)
     model = load_model(args)
     path, summary = predictors.make(model, prompts, args.out, head=args.head, count=args.count,
                                     max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,

@@ -38,9 +38,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec.convert.store import check_output, writing_folder
 from jspec.errors import JspecError
 
 FORMAT = 1
+META = "datastore.json"  # what marks a datastore folder
 ORDER = 3  # the longest n-gram looked up; bigrams fill in where no trigram is known
 # Odd multipliers below 2**31: the hash is their dot product with the key, wrapping in int32
 # exactly as numpy's int64 arithmetic reduced mod 2**32 does.
@@ -118,12 +120,10 @@ def guess(table, seq: jax.Array, end: jax.Array):
 # -- saving and loading --------------------------------------------------------------------------
 
 def save(path: str | os.PathLike, table: dict[str, np.ndarray], meta: dict) -> Path:
-    from jspec.convert.store import writing_folder
-
     path = Path(path).absolute()
-    with writing_folder(path) as tmp:
+    with writing_folder(path, META) as tmp:
         np.savez_compressed(tmp / "table.npz", **table)
-        (tmp / "datastore.json").write_text(json.dumps({"format": FORMAT, **meta}, indent=1) + "\n")
+        (tmp / META).write_text(json.dumps({"format": FORMAT, **meta}, indent=1) + "\n")
     return path
 
 
@@ -132,9 +132,9 @@ def load(path: str | os.PathLike, cfg) -> dict[str, np.ndarray]:
     from jspec.heads import check_fingerprint
 
     path = Path(path)
-    if not (path / "datastore.json").is_file():
+    if not (path / META).is_file():
         raise JspecError(f"{path} is not a jspec datastore (no datastore.json); build one with jspec build-datastore")
-    meta = json.loads((path / "datastore.json").read_text())
+    meta = json.loads((path / META).read_text())
     if meta.get("format") != FORMAT:
         raise JspecError(f"datastore {path} has format {meta.get('format')}; this jspec reads format {FORMAT}")
     check_fingerprint(meta["model"], cfg, f"datastore {path} was built")
@@ -172,6 +172,7 @@ def main(args: argparse.Namespace) -> int:
     for folder, (meta, _) in zip(args.data, folders):
         if meta.get("source", "answers") != "answers" or meta.get("temperature", 0.0) != 0.0:
             raise JspecError(f"{folder} is not greedy answers of the model (jspec distill-data --source answers)")
+    check_output(args.out, META)
     model = load_model(args)
     for folder, (meta, _) in zip(args.data, folders):
         if meta.get("model") != model.name:

@@ -48,6 +48,7 @@ from jspec.errors import JspecError
 
 KINDS = ("eesd", "kangaroo", "eagle")
 FORMAT = 3
+META = "head.json"  # what marks a head folder
 _ATTENTION = ("attn_norm", "wqkv", "bqkv", "wo")
 _MLP = ("mlp_norm", "w_gate_up", "w_down")
 
@@ -182,17 +183,17 @@ def check_fingerprint(got: dict, cfg: ModelConfig, lead: str) -> None:
 def save(path: str | os.PathLike, hp: dict, meta: dict) -> Path:
     """Write the head folder atomically (a temporary folder renamed into place)."""
     path = Path(path).absolute()
-    with store.writing_folder(path) as tmp:
+    with store.writing_folder(path, META) as tmp:
         store.save_params(tmp / "params", hp)
-        (tmp / "head.json").write_text(json.dumps({"format": FORMAT, **meta}, indent=1) + "\n")
+        (tmp / META).write_text(json.dumps({"format": FORMAT, **meta}, indent=1) + "\n")
     return path
 
 
 def read_meta(path: str | os.PathLike) -> dict:
     path = Path(path)
-    if not (path / "head.json").is_file():
+    if not (path / META).is_file():
         raise JspecError(f"{path} is not a jspec head (no head.json)")
-    meta = json.loads((path / "head.json").read_text())
+    meta = json.loads((path / META).read_text())
     if meta.get("format") not in (2, FORMAT):
         raise JspecError(f"head {path} has format {meta.get('format')}; this jspec reads formats 2 and {FORMAT} "
                          "(train it again)")

@@ -26,6 +26,7 @@ from jspec.convert import store
 from jspec.errors import JspecError
 
 FORMAT = 1
+META = "knn.json"  # what marks a KNN-SSD folder
 
 
 @dataclasses.dataclass
@@ -80,21 +81,21 @@ def save(path: str | os.PathLike, knn: Knn) -> Path:
     path = Path(path).absolute()
     if not len(knn.anchors):
         raise JspecError("a KNN-SSD folder needs at least one anchor")
-    with store.writing_folder(path) as tmp:
+    with store.writing_folder(path, META) as tmp:
         np.savez(tmp / "anchors.npz", anchors=knn.anchors.astype(np.float32),
                  domain=knn.anchor_domain.astype(np.int32))
         meta = {"format": FORMAT, "model": knn.model, "sets": [s.to_json() for s in knn.sets]}
-        (tmp / "knn.json").write_text(json.dumps(meta, indent=1) + "\n")
+        (tmp / META).write_text(json.dumps(meta, indent=1) + "\n")
     return path
 
 
 def load(path: str | os.PathLike) -> Knn:
     path = Path(path)
-    if not (path / "knn.json").is_file() or not (path / "anchors.npz").is_file():
+    if not (path / META).is_file() or not (path / "anchors.npz").is_file():
         raise JspecError(f"{path} is not a KNN-SSD folder (it needs knn.json and anchors.npz; "
                          f"make one with jspec fit-knn)")
     try:
-        meta = json.loads((path / "knn.json").read_text())
+        meta = json.loads((path / META).read_text())
         with np.load(path / "anchors.npz") as f:
             anchors, domain = f["anchors"], f["domain"]
     except (OSError, ValueError, KeyError) as e:

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from jspec import heads, knn
+from jspec.convert import store
 from jspec.errors import JspecError
 from jspec.skip_search import domain_prompts
 
@@ -101,6 +102,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_options(p)
 
 
+def _read_set(path: Path) -> knn.SkipSet:
+    try:
+        return knn.SkipSet.from_json(json.loads(path.read_text()))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise JspecError(f"{path} is not a skip set of jspec search-skip (it needs name, skip_attention "
+                         "and skip_mlp)") from None
+
+
 def main(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -109,10 +118,13 @@ def main(args: argparse.Namespace) -> int:
     paths = sorted(Path(args.sets).glob("*.json"))
     if not paths:
         raise JspecError(f"{args.sets} holds no skip sets (*.json from jspec search-skip)")
-    sets = [knn.SkipSet.from_json(json.loads(p.read_text())) for p in paths]
+    if args.count < 1 or args.centres < 1:
+        raise JspecError(f"--count and --centres must be >= 1, got {args.count} and {args.centres}")
+    sets = [_read_set(p) for p in paths]
     bare = {n for n in args.no_anchors.split(",") if n}
     if bare - {s.name for s in sets}:
         raise JspecError(f"--no-anchors names no set in {args.sets}: {', '.join(sorted(bare - {s.name for s in sets}))}")
+    store.check_output(args.out, knn.META)
     model = load_model(args)
     anchors, owner = [], []
     for d, s in enumerate(tqdm(sets, unit="domain", file=sys.stderr)):

@@ -39,6 +39,7 @@ CANDIDATES = 4
 FEATURES = 3 * CANDIDATES
 HIDDEN = 512
 FORMAT = 1
+META = "predictors.json"  # what marks a predictors folder
 
 
 def init(key: jax.Array, count: int, features: int = FEATURES) -> dict:
@@ -73,19 +74,19 @@ def save(path: str | os.PathLike, pp: dict, meta: dict, head: str | os.PathLike)
     """Write the predictors with a copy of the head they were trained over (`head/`): its
     candidates are their inputs, so they stay right when another head replaces a shipped one."""
     path = Path(path).absolute()
-    with store.writing_folder(path) as tmp:
+    with store.writing_folder(path, META) as tmp:
         store.save_params(tmp / "params", pp)
         shutil.copytree(head, tmp / "head", ignore=shutil.ignore_patterns("README.md"))
-        (tmp / "predictors.json").write_text(json.dumps({"format": FORMAT, **meta}, indent=1) + "\n")
+        (tmp / META).write_text(json.dumps({"format": FORMAT, **meta}, indent=1) + "\n")
     return path
 
 
 def load(path: str | os.PathLike, cfg: ModelConfig) -> tuple[dict, dict]:
     """(predictor params, meta), refused unless trained for a model like `cfg`."""
     path = Path(path).absolute()
-    if not (path / "predictors.json").is_file():
+    if not (path / META).is_file():
         raise JspecError(f"{path} is not a set of SpecEE predictors (no predictors.json)")
-    meta = json.loads((path / "predictors.json").read_text())
+    meta = json.loads((path / META).read_text())
     if meta.get("format") != FORMAT:
         raise JspecError(f"predictors {path} have format {meta.get('format')}; this jspec reads format {FORMAT}")
     heads.check_fingerprint(meta["model"], cfg, f"predictors {path} were trained")

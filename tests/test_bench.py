@@ -170,6 +170,13 @@ def test_parse_methods():
     assert dict(specs[1].options) == {"exit_layer": 20, "max_draft": 6}
     assert dict(specs[2].options) == {"skip_layers": (4, 6, 8), "controller": "dv"}
     assert dict(bench.parse_methods("layer-skip:skip_layers=5")[1].options) == {"skip_layers": (5,)}
+    assert dict(bench.parse_methods("mjsd:accept_threshold=1;head=7")[1].options) == {
+        "accept_threshold": 1, "head": "7"}  # an int is a number; a path stays a path
+    for text, phrase in [("eesd:max_draft=zero", "max_draft takes an integer, got 'zero'"),
+                         ("eesd:max_draft=2.5", "max_draft takes an integer"),
+                         ("mjsd:accept_threshold=high", "accept_threshold takes a number")]:
+        with pytest.raises(JspecError, match=phrase):
+            bench.parse_methods(text)
     assert bench.parse_batch_sizes("8,1,8") == [1, 8]
 
 

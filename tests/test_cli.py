@@ -260,15 +260,21 @@ def test_bad_options_fail_before_loading(capsys, tmp_path, args, phrase):
     assert_one_error(*run(capsys, "generate", "hi", "--model", tmp_path / "missing", *args), phrase)
 
 
-def test_usage_errors(capsys):
+def test_usage_errors(capsys, tmp_path):
     assert_one_error(*run(capsys, "generate"), "give a PROMPT or --prompts")
     assert_one_error(*run(capsys, "generate", "--prompts", "in.jsonl"), "--prompts needs --output")
+    prompts = write_lines(tmp_path / "in.jsonl", {"prompt": "hi"})
+    assert_one_error(*run(capsys, "generate", "--prompts", prompts, "--output", tmp_path / "." / "in.jsonl"),
+                     "is the --prompts file")
+    assert prompts.read_text() == '{"prompt": "hi"}\n'
     assert_one_error(*run(capsys, "frobnicate"), "invalid choice")
 
 
 def test_bad_model(capsys, tmp_path, short):
     assert_one_error(*run(capsys, "generate", "hi", "--model", tmp_path / "no" / "such" / "model"),
                      "neither a local path nor a hub id")
+    assert_one_error(*run(capsys, "generate", "hi", "--model", tmp_path / "missing.gguf"),  # no "converting" first
+                     "GGUF file")
     assert_one_error(*run(capsys, "generate", "hi", "--model", short, "--mesh", "data=64"), "needs 64 devices")
 
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=16,

@@ -151,6 +151,13 @@ def test_cli_builds_and_refuses(tiny_llama, tmp_path, capsys):
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and err.startswith("jspec: error:") and message in err, err
         assert not (tmp_path / "bad").exists()
+    # --out naming a folder of something else (here its own data) is refused, and it is untouched
+    before = sorted((tmp_path / "answers").iterdir())
+    assert main(["build-datastore", *model, "--data", str(tmp_path / "answers"), "--out", str(tmp_path / "answers")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jspec: error:") and "no datastore.json" in err and len(err.strip().splitlines()) == 1
+    assert sorted((tmp_path / "answers").iterdir()) == before
+    assert main(["build-datastore", *model, "--data", str(tmp_path / "answers"), "--out", str(tmp_path / "ds")]) == 0
 
     other = tiny_llama.cfg.__class__(**{**tiny_llama.cfg.__dict__, "vocab_size": 64})
     with pytest.raises(JspecError, match="was built for another model: vocab_size"):

@@ -406,6 +406,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         (["distill-data", "--prompts", str(bench), "--out", str(tmp_path / "d")], "evaluation set"),
         (["distill-data", "--prompts", "all", "spec_bench", "--out", str(tmp_path / "d")], "evaluation set"),
         (["distill-data", "--answers", str(tmp_path), "--out", str(tmp_path / "d")], "--answers goes with --source text"),
+        (["distill-data", "--count", "0", "--out", str(tmp_path / "d")], "--count must be >= 1"),
         (["train-head", "--kind", "eesd", "--exit-layer", "4", "--data", str(tmp_path / "none"),
           "--out", str(tmp_path / "h"), "--model", "/no/such/model"], "holds no distillation data"),
         (["train-head", "--kind", "medusa", "--exit-layer", "4", "--data", "d", "--out", "h"], "invalid choice"),
@@ -414,6 +415,8 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
          "--steps must be >= 1"),
         (["train-head", "--kind", "eesd", "--exit-layer", "4", "--data", str(tmp_path / "data"), "--out", "h",
           "--init", str(tmp_path), "--model", "/no/such/model"], "not a jspec head"),
+        (["train-head", "--kind", "eesd", "--exit-layer", "4", "--data", str(tmp_path / "data"),
+          "--out", str(tmp_path / "data"), "--model", "/no/such/model"], r"not empty .* \(no head.json\)"),
     ]:
         assert main(argv) == 2
         err = capsys.readouterr().err

@@ -65,6 +65,16 @@ def test_resume_continues_where_it_stopped(tmp_path):
     assert len(skip_search.search(objective(more), Counting(), VARIABLES, 8, log, header)) == 8 and more == []
 
 
+def test_fit_knn_refuses_an_out_folder_of_something_else(capsys, tmp_path):
+    from jspec.cli import main
+
+    (tmp_path / "qa.json").write_text(json.dumps(knn.SkipSet("qa", (1,), ()).to_json()))
+    assert main(["fit-knn", "--sets", str(tmp_path), "--out", str(tmp_path), "--model", "/no/such/model"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("jspec: error:") and "no knn.json" in err and len(err.splitlines()) == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["qa.json"]
+
+
 def test_log_of_another_search_refused(tmp_path):
     log = tmp_path / "qa.trials.jsonl"
     skip_search.search(objective([]), Counting(), VARIABLES, 2, log, {"prompts": "qa"})
@@ -86,12 +96,16 @@ def test_params_round_trip():
     (["search-skip", "--prompts", "missing.jsonl", "--out", "o.json"], "does not exist"),
     (["search-skip", "--prompts", "train_prompts", "--category", "nope", "--out", "o.json"], "no prompts of category"),
     (["fit-knn", "--sets", ".", "--out", "o"], "holds no skip sets"),
+    (["fit-knn", "--sets", "sets", "--out", "o", "--centres", "0"], "--count and --centres must be >= 1"),
+    (["fit-knn", "--sets", "sets", "--out", "o"], "sets/x.json is not a skip set"),
 ])
 def test_cli_errors_are_one_line(argv, message, capsys, tmp_path, monkeypatch):
     from jspec.cli import main
 
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "sets").mkdir()
+    (tmp_path / "sets" / "x.json").write_text('{"attention": [1]}')
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("jspec: error:") and message in err and len(err.splitlines()) == 1
-    assert not any(tmp_path.iterdir())  # no output file, not even half of one
+    assert [p.name for p in tmp_path.iterdir()] == ["sets"]  # no output file, not even half of one

@@ -39,7 +39,9 @@ from pathlib import Path
 from jspec import methods, prompt_sets
 from jspec.errors import JspecError
 
-OPTIONS = tuple(n for n, p in inspect.signature(methods.build).parameters.items() if p.kind is p.KEYWORD_ONLY)
+# methods.build's options and their annotations ("int | None", ...; empty where free-form)
+OPTIONS = {n: str(p.annotation) for n, p in inspect.signature(methods.build).parameters.items()
+           if p.kind is p.KEYWORD_ONLY}
 _NAME = re.compile(r"[A-Za-z][\w-]*(:|$)")
 log = logging.getLogger("jspec")
 
@@ -91,8 +93,19 @@ def _parse_method(piece: str) -> MethodSpec:
 
 
 def _value(key: str, text: str):
+    """The option's value as methods.build takes it: refused here, in one line, when its type is
+    wrong (an int where a float goes is fine)."""
     values = [_scalar(v.strip()) for v in text.split(",")]
-    return tuple(values) if key == "skip_layers" or len(values) > 1 else values[0]
+    value = tuple(values) if key == "skip_layers" or len(values) > 1 else values[0]
+    kind = OPTIONS[key].split(" ")[0]
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "int" and not (number and isinstance(value, int)):
+        raise JspecError(f"option {key} takes an integer, got {text!r}")
+    if kind == "float" and not number:
+        raise JspecError(f"option {key} takes a number, got {text!r}")
+    if kind == "str" and value is not None:
+        return text
+    return value
 
 
 def _scalar(text: str):

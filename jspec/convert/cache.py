@@ -36,11 +36,15 @@ def default_gguf() -> Path:
     return files[0]
 
 
-def _check_hf_source(src: str) -> None:
+def _check_source(src: str) -> None:
     """Fail with the clean error (missing, not cached, unsupported) before announcing a conversion."""
     from jspec.config import ModelConfig
     from jspec.convert.hf import resolve_hf_dir
 
+    if src.endswith(".gguf"):
+        if not Path(src).is_file():
+            raise JspecError(f"GGUF file {src!r} not found")
+        return
     ModelConfig.from_hf(json.loads((resolve_hf_dir(src) / "config.json").read_text()))
 
 
@@ -59,8 +63,7 @@ def resolve(model: str | None, dtype: str = "float32") -> Path:
             key = f"{src}:{stat.st_mtime_ns}:{stat.st_size}"
         else:
             key = model  # a hub id: the HF cache decides what it points to
-        if not src.endswith(".gguf"):
-            _check_hf_source(src)
+        _check_source(src)
         name = f"{local.name or 'model'}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
     out = cache_dir() / f"{name}-{dtype}"
     if store.is_converted(out) and not store.is_current(out):

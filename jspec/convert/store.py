@@ -31,12 +31,15 @@ FORMAT = 5
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
+META = "jspec.json"  # what marks a folder as a converted checkpoint
+
+
 def is_converted(path: str | os.PathLike) -> bool:
-    return (Path(path) / "jspec.json").is_file()
+    return (Path(path) / META).is_file()
 
 
 def is_current(path: str | os.PathLike) -> bool:
-    return json.loads((Path(path) / "jspec.json").read_text()).get("format") == FORMAT
+    return json.loads((Path(path) / META).read_text()).get("format") == FORMAT
 
 
 def _read_source(src: str) -> tuple[dict, dict, Tokenizer | None]:
@@ -74,24 +77,41 @@ def convert(src: str, out: str | os.PathLike, dtype: str = "float32") -> Path:
 def save(out: str | os.PathLike, cfg: ModelConfig, params, tokenizer: Tokenizer | None, dtype: str,
          source: str) -> Path:
     """Write a checkpoint folder (under a temporary name, renamed when complete)."""
-    with writing_folder(out) as tmp:
+    with writing_folder(out, META) as tmp:
         save_params(tmp / "params", params)
         if tokenizer is not None:
             tokenizer.save(tmp)
         meta = {"format": FORMAT, "config": cfg.to_json(), "dtype": dtype, "source": source}
-        (tmp / "jspec.json").write_text(json.dumps(meta, indent=1))
+        (tmp / META).write_text(json.dumps(meta, indent=1))
     return Path(out)
 
 
-@contextlib.contextmanager
-def writing_folder(path: str | os.PathLike):
-    """Yield an empty temporary folder beside `path`; when the block completes it replaces `path`,
-    and if the block fails it is removed, so `path` is never half-written."""
+def check_output(path: str | os.PathLike, marker: str) -> None:
+    """Refuse `path` as an output folder unless it is absent, empty, or an earlier output of the
+    same kind (it holds `marker`, e.g. head.json): writing replaces it whole, and must never
+    delete anything else (a checkout, a data folder, a home directory)."""
     path = Path(path)
+    if path.is_dir() and (path / marker).is_file():
+        return
+    if path.exists() and not path.is_dir():
+        raise JspecError(f"{path} is a file, not a folder to write")
+    if path.exists() and any(path.iterdir()):
+        raise JspecError(f"{path} exists, is not empty and holds no earlier output of this command "
+                         f"(no {marker}); name a new or empty folder")
+
+
+@contextlib.contextmanager
+def writing_folder(path: str | os.PathLike, marker: str):
+    """Yield an empty temporary folder beside `path`; when the block completes it replaces `path`,
+    and if the block fails it is removed, so `path` is never half-written. `path` must pass
+    `check_output` with `marker`, before the block and again when it is replaced."""
+    path = Path(path)
+    check_output(path, marker)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         yield tmp
+        check_output(path, marker)
         if path.exists():
             shutil.rmtree(path)
         tmp.rename(path)
@@ -156,7 +176,7 @@ def load(path: str | os.PathLike, dtype: str | None = None, shardings=None):
 
 def read_meta(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
     """The ModelConfig and metadata of a converted checkpoint, refusing other format versions."""
-    meta = json.loads((Path(path) / "jspec.json").read_text())
+    meta = json.loads((Path(path) / META).read_text())
     if meta.get("format") != FORMAT:
         raise JspecError(f"{path} was written by another jspec version (format {meta.get('format')}); convert again")
     return ModelConfig.from_json(meta["config"]), meta

@@ -129,6 +129,8 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
         raise JspecError("--datastore goes with --method ngram or with --lookup")
     if method not in METHODS:
         raise JspecError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    _check_belongs(method, max_draft=max_draft, controller=controller, exit_layer=exit_layer,
+                   skip_layers=skip_layers, draft_model=draft_model)
     if method != "mjsd" and (beam_width is not None or accept_threshold is not None):
         raise JspecError("--beam-width and --accept-threshold go with --method mjsd")
     if candidates is not None:
@@ -189,6 +191,18 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
         raise JspecError(f"the draft model's vocabulary ({draft_model.cfg.vocab_size}) differs from the "
                          f"target's ({cfg.vocab_size}); they must share a tokenizer")
     return DraftModel(draft_cfg=draft_model.cfg, max_draft=k), _placed(draft_model.params, model.mesh), ctrl
+
+
+def _check_belongs(method: str, **given) -> None:
+    """Refuse an option the method would ignore, so that no run silently measures something else."""
+    drafting = tuple(m for m in METHODS if m != "ar")
+    takes = {"max_draft": drafting, "controller": drafting, "skip_layers": ("layer-skip",),
+             "draft_model": ("draft", "mjsd"), "exit_layer": ("early-exit", "mjsd") + HEAD_METHODS}
+    for name, value in given.items():
+        if value is not None and method not in takes[name]:
+            flag = "--" + name.replace("_", "-")
+            raise JspecError(f"{flag} does not go with --method {method}" +
+                             (": it drafts nothing" if method == "ar" else ""))
 
 
 def _check_candidates(method: str, candidates, max_draft: int | None, controller: str | None) -> None:

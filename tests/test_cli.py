@@ -209,8 +209,8 @@ def test_convert(capsys, tmp_path):
     assert re.search(r"converted .* in \d+\.\d\d s", out) and re.search(r"loaded .* in \d+\.\d\d s", out)
     assert store.is_converted(tmp_path / "conv")
     assert all(line.startswith("jspec: warning: ") for line in err.splitlines()), err  # no tokenizer: one line
-    code, _, err = run(capsys, "convert", tmp_path / "hf", tmp_path / "conv")
-    assert code == 2 and "not empty" in err
+    assert_one_error(*run(capsys, "convert", tmp_path / "hf", tmp_path / "conv"), "exists and is not empty")
+    assert_one_error(*run(capsys, "convert", tmp_path / "hf", tmp_path / "hf" / "config.json"), "is a file")
 
 
 # -- errors: one line on stderr, no traceback, non-zero exit -------------------------------------

@@ -356,8 +356,13 @@ def test_keep_candidate_moves_the_heads_entries_too(spec):
     (dict(method="ngram", candidates=3), "--candidates goes with --method eagle"),
     (dict(method="eagle", candidates=1), "--candidates must be between 2 and 16"),
     (dict(method="kangaroo", candidates=3, max_draft=2), "it takes no --max-draft or --controller"),
+    (dict(method="ar", max_draft=2), "--max-draft does not go with --method ar: it drafts nothing"),
+    (dict(method="ar", controller="fixed"), "--controller does not go with --method ar"),
+    (dict(method="ngram", exit_layer=1), "--exit-layer does not go with --method ngram"),
+    (dict(method="eesd", skip_layers=(1,)), "--skip-layers does not go with --method eesd"),
+    (dict(method="specee", exit_layer=1), "--exit-layer does not go with --method specee"),
 ])
-def test_candidates_refused(spec, options, phrase):
+def test_options_a_method_would_ignore_are_refused(spec, options, phrase):
     if options["method"] in heads.KINDS:
         options = {**options, "head": spec.heads[options["method"]]}
     with pytest.raises(JspecError, match=phrase):

@@ -61,8 +61,8 @@ def convert(src: str, out: str | os.PathLike, dtype: str = "float32") -> Path:
     if dtype not in DTYPES:
         raise JspecError(f"unknown dtype {dtype!r}; choose float32 or bfloat16")
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise JspecError(f"output folder {out} exists and is not empty")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise JspecError(f"output folder {out} exists and is not empty" if out.is_dir() else f"{out} is a file")
     hf_config, tensors, tokenizer = _read_source(src)
     cfg = ModelConfig.from_hf(hf_config)
     if tokenizer is not None:

@@ -136,6 +136,10 @@ class Model:
         """Token ids of a prompt: a string, a list of chat messages, or a dict with one of them."""
         if isinstance(prompt, dict):
             prompt = prompt.get("messages") or prompt.get("prompt")
+        if not (isinstance(prompt, str) or
+                isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt)):
+            raise JspecError("a prompt is a string, a list of chat messages ({'role': ..., 'content': ...}) or a "
+                             f"dict with 'prompt', 'messages' or 'token_ids'; got {type(prompt).__name__}")
         if self.tokenizer is None:
             raise JspecError(f"model {self.name} has no tokenizer: pass token ids instead of text")
         if isinstance(prompt, str) and not chat:
@@ -154,6 +158,8 @@ class Model:
             pid = p.get("id", i) if isinstance(p, dict) else i
             if isinstance(p, dict) and "token_ids" in p:
                 ids = list(p["token_ids"])
+                if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
+                    raise JspecError(f"prompt {pid!r}: token_ids must be integers")
             else:
                 ids = self.encode(p, chat)
             if not ids:

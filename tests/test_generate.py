@@ -225,6 +225,11 @@ def test_bad_requests_are_explained(tiny):
         tiny.generate([{"token_ids": []}])
     with pytest.raises(JspecError, match="has no tokenizer"):
         tiny.generate(["some text"])
+    for bad in ([5], [[1, 2, 3]], [{"role": "user", "content": "hi"}]):  # ids belong in {"token_ids": ...}
+        with pytest.raises(JspecError, match="a prompt is a string, a list of chat messages"):
+            tiny.generate(bad)
+    with pytest.raises(JspecError, match="token_ids must be integers"):
+        tiny.generate([{"token_ids": ["1", "2"]}])
     with pytest.raises(JspecError, match="temperature must be >= 0"):
         tiny.generate(ok, temperature=-1.0)
 

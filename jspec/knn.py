@@ -54,6 +54,15 @@ class SkipSet:
         return cls(obj["name"], tuple(obj["skip_attention"]), tuple(obj["skip_mlp"]), info)
 
 
+def read_set(path: str | os.PathLike) -> SkipSet:
+    """The skip set of a jspec search-skip output file, refused in one line if it is not one."""
+    try:
+        return SkipSet.from_json(json.loads(Path(path).read_text()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise JspecError(f"{path} is not a skip set of jspec search-skip (it needs name, skip_attention "
+                         "and skip_mlp)") from None
+
+
 @dataclasses.dataclass
 class Knn:
     model: dict  # heads.fingerprint of the model the sets were searched on

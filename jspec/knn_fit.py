@@ -102,14 +102,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_options(p)
 
 
-def _read_set(path: Path) -> knn.SkipSet:
-    try:
-        return knn.SkipSet.from_json(json.loads(path.read_text()))
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise JspecError(f"{path} is not a skip set of jspec search-skip (it needs name, skip_attention "
-                         "and skip_mlp)") from None
-
-
 def main(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -120,7 +112,7 @@ def main(args: argparse.Namespace) -> int:
         raise JspecError(f"{args.sets} holds no skip sets (*.json from jspec search-skip)")
     if args.count < 1 or args.centres < 1:
         raise JspecError(f"--count and --centres must be >= 1, got {args.count} and {args.centres}")
-    sets = [_read_set(p) for p in paths]
+    sets = [knn.read_set(p) for p in paths]
     bare = {n for n in args.no_anchors.split(",") if n}
     if bare - {s.name for s in sets}:
         raise JspecError(f"--no-anchors names no set in {args.sets}: {', '.join(sorted(bare - {s.name for s in sets}))}")

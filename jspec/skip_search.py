@@ -260,9 +260,14 @@ def main(args: argparse.Namespace) -> int:
     if args.trials < 1 or args.count < 1 or args.max_new_tokens < 1:
         raise JspecError("--trials, --count and --max-new-tokens must be >= 1")
     out = Path(args.out)
+    if out.suffix != ".json":
+        raise JspecError(f"--out {out} must name a .json file (jspec fit-knn gathers the sets as *.json)")
+    if out.exists():
+        knn.read_set(out)  # an earlier search's set may be replaced, nothing else
     name = args.name or out.name.removesuffix(".json")
     prompts = domain_prompts(args.prompts, args.category)
     model = load_model(args)
+    out.parent.mkdir(parents=True, exist_ok=True)
     cfg = model.cfg
     requests = pick(model, prompts, args.count, args.seed, args.max_prompt_tokens, not args.all_buckets)
     variables = names(cfg.num_layers)

@@ -98,6 +98,8 @@ def test_params_round_trip():
     (["fit-knn", "--sets", ".", "--out", "o"], "holds no skip sets"),
     (["fit-knn", "--sets", "sets", "--out", "o", "--centres", "0"], "--count and --centres must be >= 1"),
     (["fit-knn", "--sets", "sets", "--out", "o"], "sets/x.json is not a skip set"),
+    (["search-skip", "--prompts", "domains/qa", "--out", "sets"], "must name a .json file"),
+    (["search-skip", "--prompts", "domains/qa", "--out", "sets/x.json"], "sets/x.json is not a skip set"),
 ])
 def test_cli_errors_are_one_line(argv, message, capsys, tmp_path, monkeypatch):
     from jspec.cli import main

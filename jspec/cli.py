@@ -32,6 +32,7 @@ from typing import Sequence
 
 from jspec import prompt_sets
 from jspec.errors import JspecError
+from jspec.jsonl import check_not_prompts
 
 PROG = "jspec"
 EXIT_USAGE = 2
@@ -231,8 +232,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise JspecError("the prompt is empty")
     elif args.output is None:
         raise _UsageError("--prompts needs --output OUT.jsonl")
-    elif os.path.exists(args.output) and os.path.exists(args.prompts) and os.path.samefile(args.output, args.prompts):
-        raise JspecError(f"--output {args.output} is the --prompts file: the records would replace the prompts")
+    else:
+        check_not_prompts(args.output, args.prompts)
     check_generation_args(args)
     if args.distributed or args.coordinator or args.num_processes is not None or args.process_id is not None:
         _join(args)

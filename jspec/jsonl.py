@@ -51,6 +51,12 @@ def read_prompts(path) -> list[dict]:
     return prompts
 
 
+def check_not_prompts(output: str | os.PathLike, prompts: str | os.PathLike) -> None:
+    """Refuse an output file that is the prompts file: the results would replace the prompts."""
+    if os.path.exists(output) and os.path.exists(prompts) and os.path.samefile(output, prompts):
+        raise JspecError(f"--output {output} is the --prompts file: the results would replace the prompts")
+
+
 def read_records(path: str | os.PathLike) -> list[dict]:
     """The records of a `jspec generate` output file, in file order; each has an `id` and its
     generated `token_ids` (a list of token ids), checked here, and whatever else it holds."""

@@ -162,6 +162,13 @@ def test_bad_input_is_one_line(capsys, tiny_chat_model, questions, tmp_path, arg
     assert not (tmp_path / "o.jsonl").exists()
 
 
+def test_output_is_never_the_prompts_file(capsys, tiny_chat_model, questions):
+    before = questions.read_text()
+    code, out, err = run(capsys, "--model", tiny_chat_model, "--prompts", questions, "--output", questions)
+    assert code == 2 and err.startswith("jspec: error: ") and "is the --prompts file" in err, err
+    assert questions.read_text() == before
+
+
 def test_parse_methods():
     specs = bench.parse_methods("early-exit:exit_layer=20;max-draft=6,"
                                 "layer-skip:skip_layers=4,6,8;controller=dv,ngram")

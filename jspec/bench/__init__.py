@@ -38,6 +38,7 @@ from pathlib import Path
 
 from jspec import methods, prompt_sets
 from jspec.errors import JspecError
+from jspec.jsonl import check_not_prompts
 
 # methods.build's options and their annotations ("int | None", ...; empty where free-form)
 OPTIONS = {n: str(p.annotation) for n, p in inspect.signature(methods.build).parameters.items()
@@ -349,7 +350,9 @@ def main(args) -> int:
     hf_methods = list(bench_hf.METHODS if args.hf_assisted else bench_hf.METHODS[:1] if args.hf else ())
     if hf_methods and args.batch_size != 1:
         raise JspecError("--hf compares at batch size 1: use --batch-size 1 (and --batch-sizes for the others)")
-    prompts = read_bench_prompts(prompt_sets.resolve(args.prompts), args.limit)
+    source = prompt_sets.resolve(args.prompts)
+    check_not_prompts(args.output, source)
+    prompts = read_bench_prompts(source, args.limit)
 
     from jspec.convert.cache import DEFAULT_MODEL
 

@@ -287,7 +287,10 @@ def _generate_file(args: argparse.Namespace) -> int:
     prompts = read_prompts(args.prompts)
     distributed.check_same("prompts", json.dumps(prompts, sort_keys=True))
     # Process 0 alone writes (and resumes) the output; the others learn from it what is left.
-    writer = RecordWriter(args.output, resume=args.resume) if distributed.is_writer() else NoWriter(args.output)
+    settings = {"model": args.model, "dtype": args.dtype, "method": args.method, "chat": not args.no_chat,
+                **generation_options(args)}
+    writer = (RecordWriter(args.output, resume=args.resume, settings=settings) if distributed.is_writer()
+              else NoWriter(args.output))
     done = distributed.from_writer(np.asarray([writer.complete or p["id"] in writer.done_ids for p in prompts]))
     if done.all() and writer.complete:
         print(f"{args.output} is already complete; nothing to do (run without --resume to redo it)",

@@ -8,7 +8,8 @@ A file whose name ends in .gz is read gzip-compressed.
 Records go to `OUT.partial`, appended and fsynced batch by batch as the batches finish;
 `finish()` puts them in the prompts' order and renames the file to `OUT` atomically. An
 interrupted run leaves `OUT` untouched and the partial file in place, and
-`RecordWriter(OUT, resume=True)` keeps what it holds, so the next run only does the rest.
+`RecordWriter(OUT, resume=True)` keeps what it holds, so the next run only does the rest (with
+the settings the partial file was written with: they are kept beside it).
 `read_records` reads an output back (for `jspec compare`).
 """
 
@@ -118,11 +119,16 @@ class RecordWriter:
 
     `done_ids` holds the ids already written (from a previous run, with `resume`), and
     `complete` is True when `OUT` already exists and `resume` asks only to finish what is left.
+    `settings` (a JSON-able dict: model, method, options) go beside the partial file, in
+    `OUT.partial.settings`, while it exists; a resume with other settings is refused, so that no
+    output mixes records of two configurations.
     """
 
-    def __init__(self, path: str | os.PathLike, resume: bool = False):
+    def __init__(self, path: str | os.PathLike, resume: bool = False, settings: dict | None = None):
         self.path = Path(path)
         self.partial = self.path.with_name(self.path.name + ".partial")
+        self._settings_path = self.path.with_name(self.partial.name + ".settings")
+        self._settings = None if settings is None else json.loads(json.dumps(settings))
         self.done_ids: set = set()
         self.count = 0
         self._file = None
@@ -133,9 +139,22 @@ class RecordWriter:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume and self.partial.exists():
+            self._check_settings()
             self._recover()
         else:
             self.partial.unlink(missing_ok=True)
+            self._settings_path.unlink(missing_ok=True)
+
+    def _check_settings(self) -> None:
+        if self._settings is None or not self._settings_path.exists():  # a partial file of an older jspec
+            return
+        before = json.loads(self._settings_path.read_text())
+        other = {k: before.get(k) for k in sorted(before.keys() | self._settings.keys())
+                 if before.get(k) != self._settings.get(k)}
+        if other:
+            said = ", ".join(f"{k}={v!r}" for k, v in other.items())
+            raise JspecError(f"{self.partial} was written with other settings ({said}); resume with those, "
+                             "or run without --resume to start over")
 
     def _recover(self) -> None:
         """Keep the complete records of the partial file; cut off a truncated last line."""
@@ -166,6 +185,8 @@ class RecordWriter:
         if not lines:
             return
         if self._file is None:
+            if self._settings is not None and not self._settings_path.exists():
+                self._settings_path.write_text(json.dumps(self._settings, sort_keys=True) + "\n")
             self._file = open(self.partial, "a", encoding="utf-8")
         self._file.write(lines)
         self._file.flush()
@@ -188,6 +209,7 @@ class RecordWriter:
         if order is not None:
             self._sort(order)
         os.replace(self.partial, self.path)
+        self._settings_path.unlink(missing_ok=True)
         try:
             fd = os.open(self.path.parent, os.O_RDONLY)
         except OSError:

@@ -166,12 +166,16 @@ def test_failure_mid_run_leaves_output_untouched(capsys, tiny, tmp_path, monkeyp
     assert line.startswith("jspec: error: interrupted") and "--resume" in line
 
     monkeypatch.setattr(jspec.api.Model, "stream", stream)
+    # Resumed with another seed, the output would mix two runs' samples: refused, nothing touched.
+    assert_one_error(*run(capsys, "generate", "--prompts", prompts, "--output", out, "--model", tiny,
+                          "--resume", *sampled[:-1], "4"), "was written with other settings (seed=3)")
+    assert [r["id"] for r in read_jsonl(partial)] == first
     code, _, err = run(capsys, "generate", "--prompts", prompts, "--output", out, "--model", tiny,
                        "--resume", *sampled)
     assert code == 0, err
     assert [untimed(r) for r in read_jsonl(out)] == [untimed(r) for r in reference]
     assert [r["id"] for r in reference] == [0, "greeting", 2, 3]
-    assert not partial.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.jsonl", "ref.jsonl"]  # no partial, no settings
 
 
 def test_record_writer_drops_only_a_torn_last_line(tmp_path):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import itertools
 import json
 import logging
 import math
@@ -312,16 +313,8 @@ def _generate_file(args: argparse.Namespace) -> int:
             with tqdm(total=len(prompts), initial=len(prompts) - len(todo), unit="prompt", file=sys.stderr,
                       disable=len(prompts) <= 1 or not distributed.is_writer(), delay=0.5,
                       dynamic_ncols=True) as bar:
-                batch: list[dict] = []
-                for record in records:
-                    batch.append(record)
-                    if len(batch) == args.batch_size:
-                        writer.write(batch)
-                        bar.update(len(batch))
-                        tokens += sum(r["new_tokens"] for r in batch)
-                        seconds += batch[0]["seconds"]
-                        batch = []
-                if batch:
+                records = iter(records)
+                while batch := list(itertools.islice(records, args.batch_size)):  # one decoding batch
                     writer.write(batch)
                     bar.update(len(batch))
                     tokens += sum(r["new_tokens"] for r in batch)

@@ -199,6 +199,10 @@ class Model:
         if isinstance(method_options.get("draft_model"), str):
             method_options["draft_model"] = load(method_options["draft_model"], self._dtype_name())
         plan = methods.build(method, self, **method_options)
+        for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size), ("seed", seed),
+                            ("logprobs", logprobs), ("top_k", top_k)):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+                raise JspecError(f"{name} must be an integer, got {value!r}")
         if max_new_tokens < 1:
             raise JspecError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
         if batch_size < 1:

@@ -230,6 +230,9 @@ def test_bad_requests_are_explained(tiny):
             tiny.generate(bad)
     with pytest.raises(JspecError, match="token_ids must be integers"):
         tiny.generate([{"token_ids": ["1", "2"]}])
+    for name in ("max_new_tokens", "batch_size", "seed"):
+        with pytest.raises(JspecError, match=f"{name} must be an integer, got 2.5"):
+            tiny.generate(ok, **{name: 2.5})
     with pytest.raises(JspecError, match="temperature must be >= 0"):
         tiny.generate(ok, temperature=-1.0)
 

@@ -288,8 +288,8 @@ def _generate_file(args: argparse.Namespace) -> int:
     prompts = read_prompts(args.prompts)
     distributed.check_same("prompts", json.dumps(prompts, sort_keys=True))
     # Process 0 alone writes (and resumes) the output; the others learn from it what is left.
-    settings = {"model": args.model, "dtype": args.dtype, "method": args.method, "chat": not args.no_chat,
-                **generation_options(args)}
+    options = generation_options(args)
+    settings = {"model": args.model, "dtype": args.dtype, "method": args.method, "chat": not args.no_chat, **options}
     writer = (RecordWriter(args.output, resume=args.resume, settings=settings) if distributed.is_writer()
               else NoWriter(args.output))
     done = distributed.from_writer(np.asarray([writer.complete or p["id"] in writer.done_ids for p in prompts]))
@@ -308,7 +308,7 @@ def _generate_file(args: argparse.Namespace) -> int:
             # Each request keeps its index in the whole file, so sampling seeds survive a resume.
             requests = [model.requests([p], chat=not args.no_chat, start=i)[0]
                         for i, (p, d) in enumerate(zip(prompts, done)) if not d]
-            records = model.stream(requests, args.method, **generation_options(args))
+            records = model.stream(requests, args.method, **options)
             # delay: a bad prompt found before the first batch (too long, say) fails without a bar.
             with tqdm(total=len(prompts), initial=len(prompts) - len(todo), unit="prompt", file=sys.stderr,
                       disable=len(prompts) <= 1 or not distributed.is_writer(), delay=0.5,

@@ -62,6 +62,14 @@ def rejection(draft: jax.Array, draft_probs: jax.Array | None, n_draft: jax.Arra
     return n_acc, sample(dist, key_next)
 
 
+def joint_logp(target_logits: jax.Array, sampling: Sampling) -> jax.Array:
+    """log p [..., V] as MJSD judges a draft by it: the untempered log-softmax when greedy, the log
+    of the processed (temperature, top-k, top-p) distribution when sampling."""
+    if sampling.greedy:
+        return jax.nn.log_softmax(target_logits.astype(jnp.float32), axis=-1)
+    return jnp.log(probabilities(target_logits, sampling))
+
+
 def joint(draft: jax.Array, draft_logq: jax.Array, n_draft: jax.Array, target_logits: jax.Array,
           sampling: Sampling, log_tau: float, key: jax.Array):
     """MJSD's joint-likelihood rule: with r_d = sum_{t<=d} log p(x_t) - log q(x_t) over the draft,
@@ -71,11 +79,7 @@ def joint(draft: jax.Array, draft_logq: jax.Array, n_draft: jax.Array, target_lo
     when greedy, the processed (temperature, top-k, top-p) distributions when sampling. Lossy:
     the output is no longer the target's own."""
     k = draft.shape[1]
-    if sampling.greedy:
-        logp = jax.nn.log_softmax(target_logits.astype(jnp.float32), axis=-1)  # [B, K+1, V]
-    else:
-        p = probabilities(target_logits, sampling)
-        logp = jnp.log(p)
+    logp = joint_logp(target_logits, sampling)  # [B, K+1, V]
     logp_x = jnp.take_along_axis(logp[:, :k], draft[..., None], axis=-1)[..., 0]  # [B, K]
     ratio = jnp.cumsum(logp_x - draft_logq, axis=1)  # r_1 .. r_K
     d = jnp.arange(1, k + 1)[None, :]
@@ -83,7 +87,7 @@ def joint(draft: jax.Array, draft_logq: jax.Array, n_draft: jax.Array, target_lo
     n_acc = jnp.max(jnp.where(ok, d, 0), axis=1).astype(jnp.int32)
     if sampling.greedy:
         return n_acc, argmax(_at(target_logits, n_acc))
-    return n_acc, sample(_at(p, n_acc), key)
+    return n_acc, jax.random.categorical(key, _at(logp, n_acc), axis=-1).astype(jnp.int32)  # sample(p)
 
 
 def candidates(cands: jax.Array, n_cands: jax.Array, target_logits: jax.Array, sampling: Sampling,

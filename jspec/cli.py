@@ -131,6 +131,9 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     m.add_argument("--accept-threshold", type=float, default=None, metavar="TAU",
                    help="keep the longest draft prefix whose target/draft likelihood ratio exceeds TAU "
                         "(default: 0.5)")
+    m.add_argument("--tree", action="store_true", default=None,
+                   help="verify every beam in one forward and keep the one the target accepts most of "
+                        "(the reference's tree attention), instead of the best beam by draft score alone")
     e = p.add_argument_group("specee (lossy: the output differs from ar's)")
     e.add_argument("--exit-threshold", type=float, default=None, metavar="P",
                    help="exit when a layer's predictor says more than P (default: 0.95, measured; above 1: never)")
@@ -180,6 +183,7 @@ def generation_options(args: argparse.Namespace) -> dict:
               "thompson_variant": args.thompson_variant, "draft_cost": args.draft_cost,
               "exit_layer": args.exit_layer, "skip_layers": skip, "draft_model": args.draft_model,
               "head": args.head, "beam_width": args.beam_width, "accept_threshold": args.accept_threshold,
+              "tree": args.tree,
               "exit_threshold": args.exit_threshold, "predictors": args.predictors, "knn": args.knn,
               "domain": args.domain, "lookup": args.lookup, "lookup_draft": args.lookup_draft,
               "datastore": args.datastore, "candidates": args.candidates}

@@ -111,7 +111,7 @@ def default_skip_layers(model) -> tuple[int, ...]:
 def build(method: str, model, *, max_draft: int | None = None, controller: str | None = None,
           exit_layer: int | None = None, skip_layers=None, draft_model=None, threshold: float | None = None,
           thompson_variant: str | None = None, draft_cost: float | None = None, head: str | None = None,
-          beam_width: int | None = None, accept_threshold: float | None = None,
+          beam_width: int | None = None, accept_threshold: float | None = None, tree: bool | None = None,
           exit_threshold: float | None = None, predictors: str | None = None, exit_choice: str | None = None,
           exit_kv: str | None = None, knn: str | None = None, domain: str | None = None,
           lookup: int | None = None, lookup_draft: int | None = None, datastore: str | None = None,
@@ -131,8 +131,8 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
         raise JspecError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     _check_belongs(method, max_draft=max_draft, controller=controller, exit_layer=exit_layer,
                    skip_layers=skip_layers, draft_model=draft_model)
-    if method != "mjsd" and (beam_width is not None or accept_threshold is not None):
-        raise JspecError("--beam-width and --accept-threshold go with --method mjsd")
+    if method != "mjsd" and (beam_width is not None or accept_threshold is not None or tree is not None):
+        raise JspecError("--beam-width, --accept-threshold and --tree go with --method mjsd")
     if candidates is not None:
         _check_candidates(method, candidates, max_draft, controller)
         max_draft = candidates
@@ -151,7 +151,7 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
     if method == "mjsd":
         if controller not in (None, "fixed"):
             raise JspecError("--method mjsd always drafts --max-draft tokens: it takes no --controller")
-        return _mjsd(model, k, exit_layer, draft_model, head, beam_width, accept_threshold)
+        return _mjsd(model, k, exit_layer, draft_model, head, beam_width, accept_threshold, tree)
     if method == "specee":
         return _build_specee(model, head, predictors, exit_threshold, exit_choice, exit_kv) + (ctrl,)
     if method == "ar":
@@ -238,7 +238,7 @@ def _shortest_repeat(n: int | None) -> int:
     return n
 
 
-def _mjsd(model, k, exit_layer, draft_model, head, beam_width, accept_threshold):
+def _mjsd(model, k, exit_layer, draft_model, head, beam_width, accept_threshold, tree):
     """Beams over --draft-model, else over --head, else over the target's first --exit-layer layers
     and its own LM head, else over the shipped EESD head (default model), else over early exit at a
     quarter of the layers. --exit-layer may name every layer: the target drafting for itself, the
@@ -250,6 +250,8 @@ def _mjsd(model, k, exit_layer, draft_model, head, beam_width, accept_threshold)
         raise JspecError(f"--beam-width must be between 1 and {most}, got {width}")
     if not (0 < tau < float("inf")):
         raise JspecError(f"--accept-threshold must be a positive number, got {tau}")
+    if tree not in (None, True, False):
+        raise JspecError(f"--tree is true or false, got {tree!r}")
     layers = model.cfg.num_layers
     if exit_layer is not None and not 1 <= exit_layer <= layers:
         raise JspecError(f"--exit-layer must be between 1 and {layers} for --method mjsd "
@@ -263,7 +265,7 @@ def _mjsd(model, k, exit_layer, draft_model, head, beam_width, accept_threshold)
         inner, dparams, ctrl = EarlyExit(max_draft=k, exit_layer=exit_layer), (), make_controller("fixed")
     else:
         inner, dparams, ctrl = build("early-exit", model, max_draft=k, controller="fixed", exit_layer=exit_layer)
-    return Beam(inner=inner, width=width, threshold=tau), dparams, ctrl
+    return Beam(inner=inner, width=width, threshold=tau, tree=bool(tree)), dparams, ctrl
 
 
 def _build_specee(model, head: str | None, path: str | None, threshold: float | None, choice: str | None,

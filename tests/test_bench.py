@@ -179,9 +179,11 @@ def test_parse_methods():
     assert dict(bench.parse_methods("layer-skip:skip_layers=5")[1].options) == {"skip_layers": (5,)}
     assert dict(bench.parse_methods("mjsd:accept_threshold=1;head=7")[1].options) == {
         "accept_threshold": 1, "head": "7"}  # an int is a number; a path stays a path
+    assert dict(bench.parse_methods("mjsd:tree=true")[1].options) == {"tree": True}
     for text, phrase in [("eesd:max_draft=zero", "max_draft takes an integer, got 'zero'"),
                          ("eesd:max_draft=2.5", "max_draft takes an integer"),
-                         ("mjsd:accept_threshold=high", "accept_threshold takes a number")]:
+                         ("mjsd:accept_threshold=high", "accept_threshold takes a number"),
+                         ("mjsd:tree=1", "tree takes true or false, got '1'")]:
         with pytest.raises(JspecError, match=phrase):
             bench.parse_methods(text)
     assert bench.parse_batch_sizes("8,1,8") == [1, 8]

@@ -111,12 +111,14 @@ def mjgd(hf, prompt, k: int, new: int, vocab: int) -> list[int]:
     return out[:new]
 
 
-def test_target_as_drafter_is_mjgd(small, monkeypatch):
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_target_as_drafter_is_mjgd(small, monkeypatch, tree):
     model, hf = small
     k, new = 2, 10
     # The target as its own drafter: every layer is "shallow", and W = V keeps every 1-token
-    # prefix, so the best of W x V 2-token beams is the exact joint argmax.
-    drafter = Beam(EarlyExit(max_draft=k, exit_layer=model.cfg.num_layers), width=16, threshold=0.5)
+    # prefix, so the best of W x V 2-token beams is the exact joint argmax; verified as a tree,
+    # every beam passes (r_d ~ 0) and the target's likeliest is kept, which is that one too.
+    drafter = Beam(EarlyExit(max_draft=k, exit_layer=model.cfg.num_layers), width=16, threshold=0.5, tree=tree)
     records = _with_plan(monkeypatch, model, (drafter, (), methods.make_controller("fixed")), PROMPTS,
                          max_new_tokens=new, batch_size=1)
     for p, r in zip(PROMPTS, records):
@@ -156,14 +158,21 @@ def eagle_path(small, tmp_path_factory):
     return str(heads.save(tmp_path_factory.mktemp("mjsd-eagle") / "eagle", hp, meta))
 
 
-@pytest.mark.parametrize("drafter", ["head", "eagle", pytest.param("draft-model", marks=pytest.mark.slow)])
-def test_batch_rows_equal_batch_one(small, head_path, eagle_path, drafter):
-    model, _ = small
+def _drafter_options(model, head_path, eagle_path, drafter):
     if drafter in ("head", "eagle"):
-        opts = dict(head=head_path if drafter == "head" else eagle_path)
-    else:
-        dcfg = dataclasses.replace(model.cfg, num_layers=1)
-        opts = dict(draft_model=Model(dcfg, {**model.params, "layers": model.params["layers"][:1]}, name="d"))
+        return dict(head=head_path if drafter == "head" else eagle_path)
+    if drafter == "exit":
+        return dict(exit_layer=1)
+    dcfg = dataclasses.replace(model.cfg, num_layers=1)
+    return dict(draft_model=Model(dcfg, {**model.params, "layers": model.params["layers"][:1]}, name="d"))
+
+
+@pytest.mark.parametrize("drafter,tree", [("head", False), ("eagle", False), ("exit", True),
+                                          pytest.param("draft-model", False, marks=pytest.mark.slow),
+                                          pytest.param("draft-model", True, marks=pytest.mark.slow)])
+def test_batch_rows_equal_batch_one(small, head_path, eagle_path, drafter, tree):
+    model, _ = small
+    opts = dict(_drafter_options(model, head_path, eagle_path, drafter), tree=tree)
     run = lambda b: model.generate(PROMPTS, method="mjsd", max_new_tokens=16, batch_size=b, **opts)
     one, three = run(1), run(3)
     assert _ids(one) == _ids(three)
@@ -171,12 +180,14 @@ def test_batch_rows_equal_batch_one(small, head_path, eagle_path, drafter):
     assert any(0 < r["stats"]["accepted"] < r["stats"]["drafted"] for r in one)  # partial accepts happen
 
 
-@pytest.mark.parametrize("kind", ["eesd", pytest.param("eagle", marks=pytest.mark.slow)])
-def test_mesh_equals_one_device(small, head_path, eagle_path, kind):
+@pytest.mark.parametrize("kind,tree", [("eesd", False), pytest.param("eagle", False, marks=pytest.mark.slow),
+                                       ("eesd", True)])
+def test_mesh_equals_one_device(small, head_path, eagle_path, kind, tree):
     """Beams of the head on a data=2, model=4 mesh at batch 3 and a model-parallel one at batch 1
-    (the prefix attention through the kernel, the beams' entries reordered across shards)."""
+    (the prefix attention through the kernel, the beams' entries reordered across shards; with
+    `tree` every beam through the whole target)."""
     model, _ = small
-    opts = dict(method="mjsd", head=head_path if kind == "eesd" else eagle_path, max_new_tokens=16)
+    opts = dict(method="mjsd", head=head_path if kind == "eesd" else eagle_path, max_new_tokens=16, tree=tree)
     for mesh, batch in (("data=2,model=4", 3), ("data=1,model=4", 1)):
         sharded = on_mesh(model, mesh)
         assert _ids(sharded.generate(PROMPTS, batch_size=batch, **opts)) == _ids(model.generate(PROMPTS, **opts))
@@ -207,6 +218,41 @@ def test_beams_never_read_each_others_entries(small, head_path, eagle_path, kind
     for m in moved:
         np.testing.assert_array_equal(m[:, [0, 2, 3]], base[:, [0, 2, 3]])
         assert not np.allclose(m[:, 1], base[:, 1])
+
+
+def test_tree_never_reads_another_beams_tokens(small):
+    """The whole target over a tree of W = 3 beams: changing beam 1's tokens moves beam 1's states
+    and entries only; and each beam's states are what a plain forward over [last, that beam] gives."""
+    from jspec import model as jmodel
+    from jspec.drafters.beam import _spread, tree_forward
+
+    model, _ = small
+    cfg = model.cfg
+    prompt = jnp.array([PROMPTS[0]["token_ids"]], jnp.int32)
+    _, cache = jax.jit(lambda p, c: jmodel.forward(p, cfg, prompt, None, c))(model.params, KVCache.zeros(cfg, 1, 32))
+    length, last = jnp.array([prompt.shape[1]]), jnp.array([2])
+    tokens = jnp.array([[[3, 4, 5], [6, 7, 8], [9, 10, 11]]], jnp.int32)
+    run = jax.jit(lambda t: jax.tree.map(lambda x: _spread(x, 3), tree_forward(model.params, cfg, last, t, length, cache)[:2]))
+    (h, kv), (h2, kv2) = run(tokens), run(tokens.at[0, 1].set(jnp.array([12, 13, 14])))
+    for a, b in [(h, h2)] + [x for pair in zip(kv, kv2) for x in zip(*pair)]:
+        np.testing.assert_array_equal(np.asarray(a)[:, [0, 2]], np.asarray(b)[:, [0, 2]])
+        assert not np.allclose(np.asarray(a)[:, 1, 1:], np.asarray(b)[:, 1, 1:])
+    chain = jax.jit(lambda p, t, c: jmodel.forward(p, cfg, t, length[:, None] + jnp.arange(4)[None], c)[0])
+    for w in range(3):
+        fed = jnp.concatenate([last[:, None], tokens[:, w]], axis=1)
+        np.testing.assert_allclose(np.asarray(h[:, w]), np.asarray(chain(model.params, fed, cache)), atol=2e-5)
+
+
+@pytest.mark.parametrize("drafter", ["head", "eagle", "exit"])
+def test_a_tree_of_one_beam_is_the_chain(small, head_path, eagle_path, drafter):
+    """W = 1: the tree is the one beam, so verifying it in the drafter leaves what the loop's own
+    verification does: the same tokens and acceptance."""
+    model, _ = small
+    opts = dict(_drafter_options(model, head_path, eagle_path, drafter), method="mjsd", beam_width=1,
+                max_new_tokens=16)
+    chain, tree = model.generate(PROMPTS, **opts), model.generate(PROMPTS, tree=True, **opts)
+    assert _ids(chain) == _ids(tree)
+    assert [r["stats"] for r in chain] == [r["stats"] for r in tree]
 
 
 @pytest.mark.parametrize("kind", [pytest.param("eesd", marks=pytest.mark.slow), "eagle"])  # eesd: 40 s here
@@ -255,6 +301,10 @@ def test_options_checked(small):
         methods.build("mjsd", model, accept_threshold=0.0)
     with pytest.raises(JspecError, match="go with --method mjsd"):
         methods.build("eesd", model, beam_width=2)
+    with pytest.raises(JspecError, match="go with --method mjsd"):
+        methods.build("eagle", model, tree=True)
+    with pytest.raises(JspecError, match="--tree is true or false"):
+        methods.build("mjsd", model, tree="yes")
     with pytest.raises(JspecError, match="no --controller"):
         methods.build("mjsd", model, controller="confidence")
     layers = model.cfg.num_layers

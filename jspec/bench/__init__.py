@@ -104,6 +104,8 @@ def _value(key: str, text: str):
         raise JspecError(f"option {key} takes an integer, got {text!r}")
     if kind == "float" and not number:
         raise JspecError(f"option {key} takes a number, got {text!r}")
+    if kind == "bool" and not isinstance(value, bool):
+        raise JspecError(f"option {key} takes true or false, got {text!r}")
     if kind == "str" and value is not None:
         return text
     return value

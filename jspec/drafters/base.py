@@ -45,6 +45,10 @@ class Draft:
     # [B] bool, where a drafter with candidates may also feed a chain (prompt lookup in front): the rows
     # whose tokens are alternatives. None: all of them (with Drafter.candidates), or none.
     alternatives: jax.Array | None = None
+    # (target's states [B, K+1, D], its logits [B, K+1, V]) of a drafter that verified its own draft
+    # (MJSD's tree, jspec/drafters/beam.py), whose `cache` then holds the target's entries: the loop
+    # runs no verification of its own.
+    verified: tuple | None = None
 
 
 def target_prefill(params, cfg, tokens, packing: model.Packing, cache):

@@ -18,6 +18,12 @@ token gets the one pass the token-by-token drafter gives it after its loop.
 Greedy: beam search, the top W of beam score + log q (untempered). Sampling: beam sampling, W
 (beam, token) pairs drawn without replacement with probability proportional to the beam's and the
 token's processed draft probabilities (Gumbel top-k). Every live row drafts K tokens (no controller).
+
+With `tree` (the reference's tree attention) every beam is verified: the whole target runs once
+over the newest committed token and the W x K beam tokens (tree_forward: the same two-softmax
+attention, each beam token seeing the committed prefix, that token and its own beam's earlier
+tokens), the beam the target finds likeliest becomes the draft, and only its entries are written
+to the target's cache; the loop then verifies nothing more (Draft.verified).
 """
 
 from __future__ import annotations
@@ -63,17 +69,20 @@ class Stack:
     feedback: Feedback | None = None
 
 
-def _attend(q, pk, pv, length, bk, bv, j):
-    """q [B, W, KV, G, H] over the prefix pk, pv [B, S, KV, H] (positions < length [B]) and each
-    beam's own entries bk, bv [B, W, K, KV, H] (slots <= j): the two softmaxes merged by their
-    denominators, so the prefix goes through model.attention_and_lse (the CPU kernel, which reads
-    only up to length, where XLA would transpose the whole cache at every step)."""
-    b, w = q.shape[:2]
-    out_p, lse_p = model.attention_and_lse(q, pk, pv, jnp.broadcast_to((length - 1)[:, None], (b, w)))
-    sb = jnp.einsum("bwkgh,bwtkh->bwkgt", q, bk, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
-    sb = jnp.where(jnp.arange(bk.shape[2]) <= j, sb, -jnp.inf)
-    lse_b = jax.nn.logsumexp(sb, axis=-1)  # [B, W, KV, G]
-    out_b = jnp.einsum("bwkgt,bwtkh->bwkgh", jnp.exp(sb - lse_b[..., None]), bv)
+def _attend(q, pk, pv, length, bk, bv, visible):
+    """q [B, W, T, KV, G, H] over the prefix pk, pv [B, S, KV, H] (positions < length [B]) and its
+    beam's own entries bk, bv [B, W, E, KV, H] (query slot t sees entry e where visible [T, E]): the
+    two softmaxes merged by their denominators, so the prefix goes through model.attention_and_lse
+    (the CPU kernel, which reads only up to length, where XLA would transpose the whole cache at
+    every step)."""
+    b, w, t = q.shape[:3]
+    flat = q.reshape(b, w * t, *q.shape[3:])
+    out_p, lse_p = model.attention_and_lse(flat, pk, pv, jnp.broadcast_to((length - 1)[:, None], (b, w * t)))
+    out_p, lse_p = out_p.reshape(q.shape), lse_p.reshape(b, w, t, *lse_p.shape[2:])
+    sb = jnp.einsum("bwtkgh,bwekh->bwtkge", q, bk, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
+    sb = jnp.where(visible[:, None, None, :], sb, -jnp.inf)
+    lse_b = jax.nn.logsumexp(sb, axis=-1)  # [B, W, T, KV, G]
+    out_b = jnp.einsum("bwtkge,bwekh->bwtkgh", jnp.exp(sb - lse_b[..., None]), bv)
     lse = jnp.logaddexp(lse_p, lse_b)[..., None]
     return out_p * jnp.exp(lse_p[..., None] - lse) + out_b * jnp.exp(lse_b[..., None] - lse)
 
@@ -85,7 +94,7 @@ def beam_layer(cfg: ModelConfig, lp, h, cos, sin, pk, pv, length, bk, bv, j):
     q, k, v = model.qkv(cfg, lp, h, cos, sin)
     bk = bk.at[:, :, j].set(k.astype(bk.dtype))
     bv = bv.at[:, :, j].set(v.astype(bv.dtype))
-    out = _attend(q, pk, pv, length, bk, bv, j)
+    out = _attend(q[:, :, None], pk, pv, length, bk, bv, (jnp.arange(bk.shape[2]) <= j)[None])[:, :, 0]
     h = h + model.linear(out.reshape(b, w, -1), lp["wo"])
     if "w_down" in lp:
         h = model.mlp_block(cfg, lp, h)
@@ -127,9 +136,9 @@ def _by_beam(x, index):
 
 
 def beam_search(stack: Stack, last, length, width: int, k: int, sampling: Sampling, key):
-    """W beams over K tokens from last [B] at position length [B]. Returns the best beam's
-    (tokens [B, K], log q [B, K], exit states [B, K, D] of slots 0..K-1, entries (k, v) [B, K, KV, H]
-    per layer)."""
+    """W beams over K tokens from last [B] at position length [B]. Returns every beam's (tokens
+    [B, W, K], log q [B, W, K], beam score [B, W]: the sum of log q, exit states [B, W, K, D] of slots
+    0..K-1, entries (k, v) [B, W, K, KV, H] per layer)."""
     b = last.shape[0]
     d = stack.cfg.hidden_size
 
@@ -164,19 +173,56 @@ def beam_search(stack: Stack, last, length, width: int, k: int, sampling: Sampli
              jnp.zeros((b, 1, k), jnp.int32), jnp.zeros((b, 1, k), jnp.float32), jnp.zeros((b, 1, k, d), jnp.float32),
              empty_entries(stack, b, 1, k), key)
     _, _, score, tokens, logq, exits, entries, _ = jax.lax.fori_loop(1, k, body, body(0, start))
-    best = jnp.argmax(score, axis=1)
-    return (_by_beam(tokens, best), _by_beam(logq, best), _by_beam(exits, best),
-            [(_by_beam(bk, best), _by_beam(bv, best)) for bk, bv in entries])
+    return tokens, logq, score, exits, entries
+
+
+def _spread(x, w: int):
+    """[B, 1 + W*K, ...] (the newest committed token, then each beam's K tokens) -> [B, W, K+1, ...],
+    the committed token at slot 0 of every beam."""
+    b = x.shape[0]
+    first = jnp.broadcast_to(x[:, None, :1], (b, w, 1, *x.shape[2:]))
+    return jnp.concatenate([first, x[:, 1:].reshape(b, w, -1, *x.shape[2:])], axis=2)
+
+
+def _gather(y):
+    """_spread's inverse: [B, W, K+1, ...] -> [B, 1 + W*K, ...], slot 0 read from beam 0."""
+    b, w = y.shape[:2]
+    return jnp.concatenate([y[:, 0, :1], y[:, :, 1:].reshape(b, -1, *y.shape[3:])], axis=1)
+
+
+def tree_forward(params, cfg: ModelConfig, last, tokens, length, cache: model.KVCache):
+    """The whole target over a tree: last [B] at position length [B], then each beam's tokens
+    [B, W, K] at length + 1 .. length + K, each token seeing the cache below length, `last`, and
+    the tokens before it in its own beam. The tree's 1 + W*K tokens go through every layer as one
+    block ([last, beam 0's K, beam 1's K, ..]); the cache is read, not written. Returns (final
+    hidden [B, 1 + W*K, D] (pre-norm), each layer's (k, v) [B, 1 + W*K, KV, H], each layer's input
+    [B, 1 + W*K, D])."""
+    b, w, k = tokens.shape
+    fed = jnp.concatenate([last[:, None], tokens.reshape(b, w * k)], axis=1)
+    slot = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.tile(jnp.arange(1, k + 1, dtype=jnp.int32), w)])
+    cos, sin = model.rope(cfg, length[:, None] + slot[None, :])
+    causal = jnp.tril(jnp.ones((k + 1, k + 1), jnp.bool_))
+    h = model.embed(params, fed)
+    kv, states = [], []
+    for lp, pk, pv in zip(params["layers"], cache.k, cache.v):
+        states.append(h)
+        q, nk, nv = model.qkv(cfg, lp, h, cos, sin)
+        out = _gather(_attend(_spread(q, w), pk, pv, length, _spread(nk, w), _spread(nv, w), causal))
+        h = model.mlp_block(cfg, lp, h + model.linear(out.reshape(b, 1 + w * k, -1), lp["wo"]))
+        kv.append((nk, nv))
+    return h, kv, states
 
 
 @dataclasses.dataclass(frozen=True)
 class Beam(Drafter):
     """`inner` (an EarlyExit, an Eagle or a DraftModel) drafting W = `width` beams; acceptance by joint
-    likelihood with threshold tau = `threshold`."""
+    likelihood with threshold tau = `threshold`, of the best beam by draft score, or with `tree` of
+    the beam the target accepts most of."""
 
     inner: Drafter
     width: int = 4
     threshold: float = 0.5
+    tree: bool = False  # verify every beam in one forward and keep the best (MMTAD), not only the first
 
     @property
     def max_draft(self) -> int:
@@ -215,11 +261,15 @@ class Beam(Drafter):
     def draft(self, params, dparams, cfg, s, controller, sampling, key):
         k = self.max_draft
         stack = self.stack(params, dparams, cfg, s.cache, s.dstate)
-        tokens, logq, exits, entries = beam_search(stack, s.last, s.length, self.width, k, sampling, key)
+        tokens, logq, score, exits, entries = beam_search(stack, s.last, s.length, self.width, k, sampling, key)
         n = jnp.full(s.length.shape, k, jnp.int32)
+        if self.tree:
+            return self._verified(params, dparams, cfg, s, tokens, logq, n, sampling)
+        best = jnp.argmax(score, axis=1)
+        tokens, logq, exits = _by_beam(tokens, best), _by_beam(logq, best), _by_beam(exits, best)
         final = tokens[:, -1]
         final_pos = (s.length + k)[:, None]
-        written = [model.write_kv(pk, pv, bk, bv, s.length)
+        written = [model.write_kv(pk, pv, _by_beam(bk, best), _by_beam(bv, best), s.length)
                    for (_, pk, pv), (bk, bv) in zip(stack.trunk + stack.head, entries)]
         inner = self.inner
         if isinstance(inner, DraftModel):
@@ -241,3 +291,32 @@ class Beam(Drafter):
             hk, hv = zip(*written[len(shallow):])
             dstate["head"] = inner.head.advance(dparams, cfg, h, final_pos, {"k": list(hk), "v": list(hv)})
         return Draft(tokens, None, n, cache, dstate, s.cstate, logq)
+
+    def _verified(self, params, dparams, cfg, s, tokens, logq, n, sampling):
+        """Every beam verified in one forward of the whole target over the tree (tree_forward), and
+        the draft the beam the target finds likeliest (its joint rule then keeps a prefix): the
+        Draft carries the target's states and logits along it, so the loop verifies nothing more,
+        and the drafter's own state as if it had drafted that beam."""
+        b, w, k = tokens.shape
+        h, kv, states = tree_forward(params, cfg, s.last, tokens, s.length, s.cache)
+        logits = _spread(model.logits(params, cfg, h), w)  # [B, W, K+1, V]
+        logp = acceptance.joint_logp(logits[:, :, :k], sampling)
+        # MJGD's choice among the beams: the K tokens the target finds likeliest together.
+        likelihood = jnp.sum(jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0], axis=-1)  # [B, W]
+        pick = jnp.argmax(likelihood, axis=1)
+        along = lambda x: _by_beam(_spread(x, w), pick)  # noqa: E731  [B, 1 + W*K, ...] -> the pick's [B, K+1, ...]
+        written = [model.write_kv(ck, cv, along(nk), along(nv), s.length)
+                   for ck, cv, (nk, nv) in zip(s.cache.k, s.cache.v, kv)]
+        cache = model.KVCache([x[0] for x in written], [x[1] for x in written])
+        tokens = _by_beam(tokens, pick)
+        fed = jnp.concatenate([s.last[:, None], tokens], axis=1)
+        positions = s.length[:, None] + jnp.arange(k + 1)[None, :]
+        inner, dstate = self.inner, s.dstate
+        if isinstance(inner, DraftModel):
+            _, dstate = inner.feed(params, dparams, cfg, cache, dstate, fed, positions)
+        elif isinstance(inner, EarlyExit) and inner.head is not None:
+            exit_states = along(states[inner.exit_layer])
+            dstate = {**dstate, "head": inner.head.advance(dparams, cfg, exit_states, positions, dstate["head"])}
+        # (An EAGLE head's entries are written again from the target's states after acceptance.)
+        return Draft(tokens, None, n, cache, dstate, s.cstate, _by_beam(logq, pick),
+                     verified=(along(h), _by_beam(logits, pick)))

@@ -11,6 +11,8 @@ past a row's length are stale and never attended to, so rejected drafts need no 
 Rows advance independently; rows that are done keep computing (shapes are static) but their
 results are masked out. A drafter with `candidates` instead feeds C alternatives for the one
 position after `last` (jspec.drafters.base), and the accepted one becomes the round's chain.
+A drafter that verified its own draft (MJSD's tree of beams) hands the round the target's states
+and logits in its Draft, and the round runs no verification of its own.
 `seq[b, p]` is the token at position p (prompt, then generated).
 """
 
@@ -134,14 +136,18 @@ def generate(params, dparams, cache: model.KVCache, tokens, packing: model.Packi
         positions = s.length[:, None] + jnp.arange(k + 1)[None, :]
         fed = jnp.concatenate([s.last[:, None], d.tokens], axis=1)
 
-        widths = verify_widths(k)
-        width = model.Width(widths, width_index(widths, jnp.max(jnp.where(live, d.n, 0))))
-        at = positions
-        if drafter.candidates:  # alternatives all sit at length + 1; chains too only where the Draft says
-            side = jnp.minimum(positions, s.length[:, None] + 1)
-            at = side if d.alternatives is None else jnp.where(d.alternatives[:, None], side, positions)
-        h, cache = drafter.verify(params, dparams, cfg, fed, at, d.cache, d.dstate, width)
-        target_logits = width.run(lambda h: drafter.target_logits(params, dparams, cfg, h, d.dstate, sampling), h)
+        if d.verified is not None:
+            (h, target_logits), cache = d.verified, d.cache
+        else:
+            widths = verify_widths(k)
+            width = model.Width(widths, width_index(widths, jnp.max(jnp.where(live, d.n, 0))))
+            at = positions
+            if drafter.candidates:  # alternatives all sit at length + 1; chains too only where the Draft says
+                side = jnp.minimum(positions, s.length[:, None] + 1)
+                at = side if d.alternatives is None else jnp.where(d.alternatives[:, None], side, positions)
+            h, cache = drafter.verify(params, dparams, cfg, fed, at, d.cache, d.dstate, width)
+            target_logits = width.run(lambda h: drafter.target_logits(params, dparams, cfg, h, d.dstate, sampling),
+                                      h)
         dstate = d.dstate
         if not drafter.candidates:
             n_acc, nxt = _chain_rule(drafter, d, target_logits, sampling, k_accept)

@@ -217,12 +217,12 @@ def tree_forward(params, cfg: ModelConfig, last, tokens, length, cache: model.KV
 class Beam(Drafter):
     """`inner` (an EarlyExit, an Eagle or a DraftModel) drafting W = `width` beams; acceptance by joint
     likelihood with threshold tau = `threshold`, of the best beam by draft score, or with `tree` of
-    the beam the target accepts most of."""
+    the beam the target finds likeliest."""
 
     inner: Drafter
     width: int = 4
     threshold: float = 0.5
-    tree: bool = False  # verify every beam in one forward and keep the best (MMTAD), not only the first
+    tree: bool = False  # verify every beam in one forward (MMTAD), not only the best by draft score
 
     @property
     def max_draft(self) -> int:

@@ -28,6 +28,15 @@ from jspec.drafters import beam
 from jspec.sampling import Sampling
 
 
+def best_beam(out):
+    """The best beam's tokens [B, K]: beam_search returned only that beam until 2026-11-28, and since
+    then every beam's tokens [B, W, K] and scores [B, W]."""
+    tokens = out[0]
+    if tokens.ndim == 2:
+        return tokens
+    return jnp.take_along_axis(tokens, jnp.argmax(out[2], axis=1)[:, None, None], axis=1)[:, 0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--against", help="another version of jspec/drafters/beam.py to time beside this one")
@@ -56,9 +65,9 @@ def main() -> None:
         for name, mod in versions.items():
             for width in (1, 4):
                 calls[f"{name}, W = {width}"] = jax.jit(
-                    lambda trunk, head, mod=mod, width=width: mod.beam_search(
+                    lambda trunk, head, mod=mod, width=width: best_beam(mod.beam_search(
                         mod.Stack(cfg, m.params, trunk, head, readout), last, length, width, drafter.max_draft,
-                        Sampling(), jax.random.key(0))[0])
+                        Sampling(), jax.random.key(0))))
         cache = M.KVCache([entry(s) for _ in range(cfg.num_layers)], [entry(s) for _ in range(cfg.num_layers)])
         step = jax.jit(lambda cache: M.logits(m.params, cfg, M.forward(m.params, cfg, last[:, None],
                                                                        length[:, None], cache)[0]))

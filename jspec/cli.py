@@ -132,7 +132,7 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
                    help="keep the longest draft prefix whose target/draft likelihood ratio exceeds TAU "
                         "(default: 0.5)")
     m.add_argument("--tree", action="store_true", default=None,
-                   help="verify every beam in one forward and keep the one the target accepts most of "
+                   help="verify every beam in one forward and keep the one the target finds likeliest "
                         "(the reference's tree attention), instead of the best beam by draft score alone")
     e = p.add_argument_group("specee (lossy: the output differs from ar's)")
     e.add_argument("--exit-threshold", type=float, default=None, metavar="P",

@@ -69,16 +69,18 @@ class Stack:
     feedback: Feedback | None = None
 
 
-def _attend(q, pk, pv, length, bk, bv, visible):
-    """q [B, W, T, KV, G, H] over the prefix pk, pv [B, S, KV, H] (positions < length [B]) and its
-    beam's own entries bk, bv [B, W, E, KV, H] (query slot t sees entry e where visible [T, E]): the
-    two softmaxes merged by their denominators, so the prefix goes through model.attention_and_lse
-    (the CPU kernel, which reads only up to length, where XLA would transpose the whole cache at
-    every step)."""
-    b, w, t = q.shape[:3]
-    flat = q.reshape(b, w * t, *q.shape[3:])
-    out_p, lse_p = model.attention_and_lse(flat, pk, pv, jnp.broadcast_to((length - 1)[:, None], (b, w * t)))
-    out_p, lse_p = out_p.reshape(q.shape), lse_p.reshape(b, w, t, *lse_p.shape[2:])
+def _prefix(q, pk, pv, length):
+    """q [B, N, KV, G, H] over the committed prefix pk, pv [B, S, KV, H] (positions < length [B])
+    through model.attention_and_lse (the CPU kernel, which reads only up to length, where XLA
+    would transpose the whole cache at every step): (output, log softmax denominator [B, N, KV, G])."""
+    return model.attention_and_lse(q, pk, pv, jnp.broadcast_to((length - 1)[:, None], q.shape[:2]))
+
+
+def _attend(q, prefix, bk, bv, visible):
+    """q [B, W, T, KV, G, H], with its attention over the committed prefix (_prefix's output and
+    denominator, laid out as q), merged by their denominators with its attention over its beam's
+    own entries bk, bv [B, W, E, KV, H] (query slot t sees entry e where visible [T, E])."""
+    out_p, lse_p = prefix
     sb = jnp.einsum("bwtkgh,bwekh->bwtkge", q, bk, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
     sb = jnp.where(visible[:, None, None, :], sb, -jnp.inf)
     lse_b = jax.nn.logsumexp(sb, axis=-1)  # [B, W, T, KV, G]
@@ -94,7 +96,8 @@ def beam_layer(cfg: ModelConfig, lp, h, cos, sin, pk, pv, length, bk, bv, j):
     q, k, v = model.qkv(cfg, lp, h, cos, sin)
     bk = bk.at[:, :, j].set(k.astype(bk.dtype))
     bv = bv.at[:, :, j].set(v.astype(bv.dtype))
-    out = _attend(q[:, :, None], pk, pv, length, bk, bv, (jnp.arange(bk.shape[2]) <= j)[None])[:, :, 0]
+    prefix = [x[:, :, None] for x in _prefix(q, pk, pv, length)]
+    out = _attend(q[:, :, None], prefix, bk, bv, (jnp.arange(bk.shape[2]) <= j)[None])[:, :, 0]
     h = h + model.linear(out.reshape(b, w, -1), lp["wo"])
     if "w_down" in lp:
         h = model.mlp_block(cfg, lp, h)
@@ -207,7 +210,9 @@ def tree_forward(params, cfg: ModelConfig, last, tokens, length, cache: model.KV
     for lp, pk, pv in zip(params["layers"], cache.k, cache.v):
         states.append(h)
         q, nk, nv = model.qkv(cfg, lp, h, cos, sin)
-        out = _gather(_attend(_spread(q, w), pk, pv, length, _spread(nk, w), _spread(nv, w), causal))
+        # The prefix once per token ([last] is every beam's slot 0), then spread over the beams.
+        prefix = [_spread(x, w) for x in _prefix(q, pk, pv, length)]
+        out = _gather(_attend(_spread(q, w), prefix, _spread(nk, w), _spread(nv, w), causal))
         h = model.mlp_block(cfg, lp, h + model.linear(out.reshape(b, 1 + w * k, -1), lp["wo"]))
         kv.append((nk, nv))
     return h, kv, states

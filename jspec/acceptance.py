@@ -5,7 +5,7 @@ are ignored. The target's logits [B, K+1, V] come from one forward over [last, d
 position i predicts the token after draft i (position 0: after the last committed token).
 The chain rules (greedy, rejection, MJSD's joint) return (n_accepted [B], next_token [B]): the
 row emits draft[:n_accepted] and then next_token, the target's own token at the first rejection
-or the bonus after a full accept. `candidates` is the rule for alternatives side by side at one
+or the bonus after a full accept. `tree_joint` is MJSD's rule over W beams verified together. `candidates` is the rule for alternatives side by side at one
 position, which also says which one it accepted.
 """
 
@@ -79,15 +79,40 @@ def joint(draft: jax.Array, draft_logq: jax.Array, n_draft: jax.Array, target_lo
     when greedy, the processed (temperature, top-k, top-p) distributions when sampling. Lossy:
     the output is no longer the target's own."""
     k = draft.shape[1]
-    logp = joint_logp(target_logits, sampling)  # [B, K+1, V]
-    logp_x = jnp.take_along_axis(logp[:, :k], draft[..., None], axis=-1)[..., 0]  # [B, K]
+    logp = joint_logp(target_logits[:, :k], sampling)  # [B, K, V]
+    logp_x = jnp.take_along_axis(logp, draft[..., None], axis=-1)[..., 0]  # [B, K]
     ratio = jnp.cumsum(logp_x - draft_logq, axis=1)  # r_1 .. r_K
     d = jnp.arange(1, k + 1)[None, :]
     ok = (ratio > log_tau) & (d <= n_draft[:, None])
     n_acc = jnp.max(jnp.where(ok, d, 0), axis=1).astype(jnp.int32)
+    return n_acc, target_token(target_logits, n_acc, sampling, key)
+
+
+def tree_joint(logp_x: jax.Array, best_logq: jax.Array, log_tau: float):
+    """MJSD's rule over a tree of W beams, as the reference verifies one: logp_x [B, W, K] is log p
+    of each beam's tokens (joint_logp), best_logq [B, K] the highest beam score (sum of log q) the
+    beam search had after each step. A beam's first d tokens pass when their joint log p exceeds
+    log_tau + best_logq[d]: the test is against the drafter's best, not the beam's own q, so a
+    beam the drafter found unlikely gains nothing by it. Keep the largest d at which some beam
+    passes (not the first failure's), and of the beams passing there the one the target finds
+    likeliest. Returns (pick [B], n_accepted [B]); with no d passing, n_accepted is 0 and pick 0."""
+    k = logp_x.shape[-1]
+    joint_p = jnp.cumsum(logp_x, axis=-1)  # [B, W, K]
+    ok = joint_p - best_logq[:, None, :] > log_tau
+    n_acc = jnp.max(jnp.where(jnp.any(ok, axis=1), jnp.arange(1, k + 1)[None, :], 0), axis=1).astype(jnp.int32)
+    at = jnp.maximum(n_acc - 1, 0)[:, None, None]
+    passing = jnp.take_along_axis(ok, at, axis=2)[..., 0]  # [B, W]
+    pick = jnp.argmax(jnp.where(passing, jnp.take_along_axis(joint_p, at, axis=2)[..., 0], -jnp.inf), axis=1)
+    return pick.astype(jnp.int32), n_acc
+
+
+def target_token(target_logits: jax.Array, n_acc: jax.Array, sampling: Sampling, key: jax.Array) -> jax.Array:
+    """The target's own token after a kept prefix of n_acc [B] drafts, from target_logits [B, K+1, V]:
+    its argmax when greedy, else a sample from p (no residual distribution: MJSD's rules)."""
+    logits = _at(target_logits, n_acc)
     if sampling.greedy:
-        return n_acc, argmax(_at(target_logits, n_acc))
-    return n_acc, jax.random.categorical(key, _at(logp, n_acc), axis=-1).astype(jnp.int32)  # sample(p)
+        return argmax(logits)
+    return jax.random.categorical(key, joint_logp(logits, sampling), axis=-1).astype(jnp.int32)
 
 
 def candidates(cands: jax.Array, n_cands: jax.Array, target_logits: jax.Array, sampling: Sampling,

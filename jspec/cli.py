@@ -132,8 +132,9 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
                    help="keep the longest draft prefix whose target/draft likelihood ratio exceeds TAU "
                         "(default: 0.5)")
     m.add_argument("--tree", action="store_true", default=None,
-                   help="verify every beam in one forward and keep the one the target finds likeliest "
-                        "(the reference's tree attention), instead of the best beam by draft score alone")
+                   help="verify every beam in one forward (the reference's tree attention) and keep the "
+                        "longest prefix of any beam that passes, each judged against the draft's best beam, "
+                        "instead of verifying the best beam by draft score alone")
     e = p.add_argument_group("specee (lossy: the output differs from ar's)")
     e.add_argument("--exit-threshold", type=float, default=None, metavar="P",
                    help="exit when a layer's predictor says more than P (default: 0.95, measured; above 1: never)")

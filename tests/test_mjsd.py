@@ -67,6 +67,23 @@ def test_joint_rule_by_hand(sampling):
     assert acceptance.joint(draft, logq, n, logits, sampling, -1e9, jax.random.key(0))[0].tolist() == [3, 3, 2]
 
 
+def test_tree_rule_by_hand():
+    """W = 2 beams, K = 2; p is the target's probability of each beam token, best the drafter's best
+    beam score after each step, tau = 0.5. Row 0: beam 0 passes d = 1 only (.5/.6), beam 1 passes
+    d = 2 (.35 * .6 / .4 = .525): keep 2 tokens of beam 1. Row 1: nothing passes. Row 2: both pass
+    d = 1 only: the likelier (beam 1, .45). Row 3: beam 0 fails d = 1 (.35/.8) and passes d = 2
+    (.315/.3): keep 2, as the chain rule keeps a longer prefix after a shorter one fails."""
+    p = np.array([[[.5, .1], [.35, .6]], [[.3, .9], [.2, .5]], [[.4, .1], [.45, .1]], [[.35, .9], [.1, .1]]])
+    best = np.array([[.6, .4], [.9, .8], [.5, .5], [.8, .3]])
+    logp, log_best = jnp.log(jnp.asarray(p, jnp.float32)), jnp.log(jnp.asarray(best, jnp.float32))
+    pick, kept = acceptance.tree_joint(logp, log_best, math.log(0.5))
+    assert kept.tolist() == [2, 0, 1, 2]
+    assert pick.tolist() == [1, 0, 1, 0]
+    # Against the drafter's best, not the beam's own q: tau near 0 keeps all K of the likeliest beam.
+    pick, kept = acceptance.tree_joint(logp, log_best, -1e9)
+    assert kept.tolist() == [2, 2, 2, 2] and pick.tolist() == [1, 0, 1, 0]
+
+
 # -- end to end on tiny models -------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -116,8 +133,8 @@ def test_target_as_drafter_is_mjgd(small, monkeypatch, tree):
     model, hf = small
     k, new = 2, 10
     # The target as its own drafter: every layer is "shallow", and W = V keeps every 1-token
-    # prefix, so the best of W x V 2-token beams is the exact joint argmax; verified as a tree,
-    # every beam passes (r_d ~ 0) and the target's likeliest is kept, which is that one too.
+    # prefix, so the best of W x V 2-token beams is the exact joint argmax; verified as a tree, that
+    # beam's joint log p is the drafter's best score, so it passes and is the likeliest kept.
     drafter = Beam(EarlyExit(max_draft=k, exit_layer=model.cfg.num_layers), width=16, threshold=0.5, tree=tree)
     records = _with_plan(monkeypatch, model, (drafter, (), methods.make_controller("fixed")), PROMPTS,
                          max_new_tokens=new, batch_size=1)

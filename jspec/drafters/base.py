@@ -49,6 +49,9 @@ class Draft:
     # (MJSD's tree, jspec/drafters/beam.py), whose `cache` then holds the target's entries: the loop
     # runs no verification of its own.
     verified: tuple | None = None
+    # [B] how many of tokens such a drafter keeps, when its rule needed more than the one chain it
+    # hands the round (MJSD's tree judges every beam); None: the drafter's `accept` decides.
+    kept: jax.Array | None = None
 
 
 def target_prefill(params, cfg, tokens, packing: model.Packing, cache):

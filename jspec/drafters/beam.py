@@ -22,8 +22,9 @@ token's processed draft probabilities (Gumbel top-k). Every live row drafts K to
 With `tree` (the reference's tree attention) every beam is verified: the whole target runs once
 over the newest committed token and the W x K beam tokens (tree_forward: the same two-softmax
 attention, each beam token seeing the committed prefix, that token and its own beam's earlier
-tokens), the beam the target finds likeliest becomes the draft, and only its entries are written
-to the target's cache; the loop then verifies nothing more (Draft.verified).
+tokens), the reference's tree rule picks a beam and how much of it to keep (acceptance.tree_joint),
+and only that beam's entries are written to the target's cache; the loop then verifies nothing
+more (Draft.verified, Draft.kept).
 """
 
 from __future__ import annotations
@@ -141,12 +142,13 @@ def _by_beam(x, index):
 def beam_search(stack: Stack, last, length, width: int, k: int, sampling: Sampling, key):
     """W beams over K tokens from last [B] at position length [B]. Returns every beam's (tokens
     [B, W, K], log q [B, W, K], beam score [B, W]: the sum of log q, exit states [B, W, K, D] of slots
-    0..K-1, entries (k, v) [B, W, K, KV, H] per layer)."""
+    0..K-1, entries (k, v) [B, W, K, KV, H] per layer), and the best score after each step [B, K]
+    (of the beams alive then, which later steps may have dropped)."""
     b = last.shape[0]
     d = stack.cfg.hidden_size
 
     def body(j, st):
-        x, prev, score, tokens, logq, exits, entries, key = st
+        x, prev, score, best, tokens, logq, exits, entries, key = st
         logits, exit_state, entries = beam_step(stack, x, length, j, entries, prev)
         exits = exits.at[:, :, j].set(exit_state)
         key, sub = jax.random.split(key)
@@ -168,15 +170,16 @@ def beam_search(stack: Stack, last, length, width: int, k: int, sampling: Sampli
         logq = _by_beam(logq, parent).at[:, :, j].set(tok_lq)
         exits = _by_beam(exits, parent)
         entries = [(_by_beam(bk, parent), _by_beam(bv, parent)) for bk, bv in entries]
-        return tok, exits[:, :, j], score, tokens, logq, exits, entries, key
+        best = best.at[:, j].set(jnp.max(score, axis=1))
+        return tok, exits[:, :, j], score, best, tokens, logq, exits, entries, key
 
     # Step 0 expands the one beam `last` into W: one row through the stack, not W equal ones.
     first = jnp.zeros((b, d)) if stack.feedback is None else stack.feedback.first
-    start = (last[:, None], first[:, None].astype(jnp.float32), jnp.zeros((b, 1)),
+    start = (last[:, None], first[:, None].astype(jnp.float32), jnp.zeros((b, 1)), jnp.zeros((b, k)),
              jnp.zeros((b, 1, k), jnp.int32), jnp.zeros((b, 1, k), jnp.float32), jnp.zeros((b, 1, k, d), jnp.float32),
              empty_entries(stack, b, 1, k), key)
-    _, _, score, tokens, logq, exits, entries, _ = jax.lax.fori_loop(1, k, body, body(0, start))
-    return tokens, logq, score, exits, entries
+    _, _, score, best, tokens, logq, exits, entries, _ = jax.lax.fori_loop(1, k, body, body(0, start))
+    return tokens, logq, score, exits, entries, best
 
 
 def _spread(x, w: int):
@@ -222,7 +225,7 @@ def tree_forward(params, cfg: ModelConfig, last, tokens, length, cache: model.KV
 class Beam(Drafter):
     """`inner` (an EarlyExit, an Eagle or a DraftModel) drafting W = `width` beams; acceptance by joint
     likelihood with threshold tau = `threshold`, of the best beam by draft score, or with `tree` of
-    the beam the target finds likeliest."""
+    every beam (acceptance.tree_joint)."""
 
     inner: Drafter
     width: int = 4
@@ -243,6 +246,8 @@ class Beam(Drafter):
         return self.inner.accepted(params, dparams, cfg, dstate, fed, positions, h, n_acc)
 
     def accept(self, d: Draft, target_logits, sampling, key):
+        if d.kept is not None:  # the tree's rule, decided over every beam (_verified)
+            return d.kept, acceptance.target_token(target_logits, d.kept, sampling, key)
         return acceptance.joint(d.tokens, d.logq, d.n, target_logits, sampling, math.log(self.threshold), key)
 
     def stack(self, params, dparams, cfg, cache: model.KVCache, dstate) -> Stack:
@@ -266,10 +271,11 @@ class Beam(Drafter):
     def draft(self, params, dparams, cfg, s, controller, sampling, key):
         k = self.max_draft
         stack = self.stack(params, dparams, cfg, s.cache, s.dstate)
-        tokens, logq, score, exits, entries = beam_search(stack, s.last, s.length, self.width, k, sampling, key)
+        tokens, logq, score, exits, entries, best_logq = beam_search(stack, s.last, s.length, self.width, k,
+                                                                      sampling, key)
         n = jnp.full(s.length.shape, k, jnp.int32)
         if self.tree:
-            return self._verified(params, dparams, cfg, s, tokens, logq, n, sampling)
+            return self._verified(params, dparams, cfg, s, tokens, logq, best_logq, n, sampling)
         best = jnp.argmax(score, axis=1)
         tokens, logq, exits = _by_beam(tokens, best), _by_beam(logq, best), _by_beam(exits, best)
         final = tokens[:, -1]
@@ -297,18 +303,17 @@ class Beam(Drafter):
             dstate["head"] = inner.head.advance(dparams, cfg, h, final_pos, {"k": list(hk), "v": list(hv)})
         return Draft(tokens, None, n, cache, dstate, s.cstate, logq)
 
-    def _verified(self, params, dparams, cfg, s, tokens, logq, n, sampling):
-        """Every beam verified in one forward of the whole target over the tree (tree_forward), and
-        the draft the beam the target finds likeliest (its joint rule then keeps a prefix): the
-        Draft carries the target's states and logits along it, so the loop verifies nothing more,
-        and the drafter's own state as if it had drafted that beam."""
+    def _verified(self, params, dparams, cfg, s, tokens, logq, best_logq, n, sampling):
+        """Every beam verified in one forward of the whole target over the tree (tree_forward) and
+        judged by acceptance.tree_joint; the draft is the beam it picks, with how much of it to keep
+        (Draft.kept). The Draft carries the target's states and logits along that beam, so the loop
+        verifies nothing more, and the drafter's own state as if it had drafted that beam."""
         b, w, k = tokens.shape
         h, kv, states = tree_forward(params, cfg, s.last, tokens, s.length, s.cache)
         logits = _spread(model.logits(params, cfg, h), w)  # [B, W, K+1, V]
         logp = acceptance.joint_logp(logits[:, :, :k], sampling)
-        # MJGD's choice among the beams: the K tokens the target finds likeliest together.
-        likelihood = jnp.sum(jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0], axis=-1)  # [B, W]
-        pick = jnp.argmax(likelihood, axis=1)
+        logp_x = jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]  # [B, W, K]
+        pick, kept = acceptance.tree_joint(logp_x, best_logq, math.log(self.threshold))
         along = lambda x: _by_beam(_spread(x, w), pick)  # noqa: E731  [B, 1 + W*K, ...] -> the pick's [B, K+1, ...]
         written = [model.write_kv(ck, cv, along(nk), along(nv), s.length)
                    for ck, cv, (nk, nv) in zip(s.cache.k, s.cache.v, kv)]
@@ -324,4 +329,4 @@ class Beam(Drafter):
             dstate = {**dstate, "head": inner.head.advance(dparams, cfg, exit_states, positions, dstate["head"])}
         # (An EAGLE head's entries are written again from the target's states after acceptance.)
         return Draft(tokens, None, n, cache, dstate, s.cstate, _by_beam(logq, pick),
-                     verified=(along(h), _by_beam(logits, pick)))
+                     verified=(along(h), _by_beam(logits, pick)), kept=kept)

@@ -260,13 +260,14 @@ def test_tree_never_reads_another_beams_tokens(small):
         np.testing.assert_allclose(np.asarray(h[:, w]), np.asarray(chain(model.params, fed, cache)), atol=2e-5)
 
 
-@pytest.mark.parametrize("drafter", ["head", "eagle", "exit"])
-def test_a_tree_of_one_beam_is_the_chain(small, head_path, eagle_path, drafter):
+@pytest.mark.parametrize("drafter,sampling", [("head", {}), ("eagle", {}), ("exit", {}), ("exit", {"temperature": 1.0})],
+                         ids=["head", "eagle", "exit", "exit-sampling"])
+def test_a_tree_of_one_beam_is_the_chain(small, head_path, eagle_path, drafter, sampling):
     """W = 1: the tree is the one beam, so verifying it in the drafter leaves what the loop's own
-    verification does: the same tokens and acceptance."""
+    verification does: the same tokens and acceptance (sampled: the same draws, from the same keys)."""
     model, _ = small
     opts = dict(_drafter_options(model, head_path, eagle_path, drafter), method="mjsd", beam_width=1,
-                max_new_tokens=16)
+                max_new_tokens=16, **sampling)
     chain, tree = model.generate(PROMPTS, **opts), model.generate(PROMPTS, tree=True, **opts)
     assert _ids(chain) == _ids(tree)
     assert [r["stats"] for r in chain] == [r["stats"] for r in tree]

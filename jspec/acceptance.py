@@ -5,8 +5,9 @@ are ignored. The target's logits [B, K+1, V] come from one forward over [last, d
 position i predicts the token after draft i (position 0: after the last committed token).
 The chain rules (greedy, rejection, MJSD's joint) return (n_accepted [B], next_token [B]): the
 row emits draft[:n_accepted] and then next_token, the target's own token at the first rejection
-or the bonus after a full accept. `tree_joint` is MJSD's rule over W beams verified together. `candidates` is the rule for alternatives side by side at one
-position, which also says which one it accepted.
+or the bonus after a full accept. `tree_joint` is MJSD's rule over W beams verified together.
+`candidates` is the rule for alternatives side by side at one position, which also says which one
+it accepted.
 """
 
 from __future__ import annotations

@@ -260,7 +260,8 @@ def test_tree_never_reads_another_beams_tokens(small):
         np.testing.assert_allclose(np.asarray(h[:, w]), np.asarray(chain(model.params, fed, cache)), atol=2e-5)
 
 
-@pytest.mark.parametrize("drafter,sampling", [("head", {}), ("eagle", {}), ("exit", {}), ("exit", {"temperature": 1.0})],
+@pytest.mark.parametrize("drafter,sampling",
+                         [("head", {}), ("eagle", {}), ("exit", {}), ("exit", {"temperature": 1.0})],
                          ids=["head", "eagle", "exit", "exit-sampling"])
 def test_a_tree_of_one_beam_is_the_chain(small, head_path, eagle_path, drafter, sampling):
     """W = 1: the tree is the one beam, so verifying it in the drafter leaves what the loop's own

@@ -275,7 +275,7 @@ class Beam(Drafter):
                                                                       sampling, key)
         n = jnp.full(s.length.shape, k, jnp.int32)
         if self.tree:
-            return self._verified(params, dparams, cfg, s, tokens, logq, best_logq, n, sampling)
+            return self._verified(params, dparams, cfg, s, tokens, best_logq, n, sampling)
         best = jnp.argmax(score, axis=1)
         tokens, logq, exits = _by_beam(tokens, best), _by_beam(logq, best), _by_beam(exits, best)
         final = tokens[:, -1]
@@ -303,7 +303,7 @@ class Beam(Drafter):
             dstate["head"] = inner.head.advance(dparams, cfg, h, final_pos, {"k": list(hk), "v": list(hv)})
         return Draft(tokens, None, n, cache, dstate, s.cstate, logq)
 
-    def _verified(self, params, dparams, cfg, s, tokens, logq, best_logq, n, sampling):
+    def _verified(self, params, dparams, cfg, s, tokens, best_logq, n, sampling):
         """Every beam verified in one forward of the whole target over the tree (tree_forward) and
         judged by acceptance.tree_joint; the draft is the beam it picks, with how much of it to keep
         (Draft.kept). The Draft carries the target's states and logits along that beam, so the loop
@@ -328,5 +328,5 @@ class Beam(Drafter):
             exit_states = along(states[inner.exit_layer])
             dstate = {**dstate, "head": inner.head.advance(dparams, cfg, exit_states, positions, dstate["head"])}
         # (An EAGLE head's entries are written again from the target's states after acceptance.)
-        return Draft(tokens, None, n, cache, dstate, s.cstate, _by_beam(logq, pick),
-                     verified=(along(h), _by_beam(logits, pick)), kept=kept)
+        # No log q: the rule is decided (kept), and only the chain rule reads Draft.logq.
+        return Draft(tokens, None, n, cache, dstate, s.cstate, verified=(along(h), _by_beam(logits, pick)), kept=kept)

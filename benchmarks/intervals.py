@@ -1,6 +1,7 @@
 """The speedups of a `jspec bench` results file with their 95% intervals over the choice of
-questions (jspec.bench.report.Report.speedup_interval), without running anything: for results
-written before the overall table had the column.
+questions (jspec.bench.report.Report.speedup_interval), and for lossy methods the change of their
+output's NLL against `ar`'s with its interval (Report.nll_interval), without running anything: for
+results written before the report had those columns.
 
     python benchmarks/intervals.py benchmarks/results.jsonl [BATCH_SIZE]
 """
@@ -19,12 +20,19 @@ def main(path: str, batch_size: int = 1) -> None:
     prompts = [{"id": json.loads(i), "category": ""} for i in ids]
     labels = list(dict.fromkeys(r["method"] for r in rows if r.get("kind", "jspec") == "jspec"))
     report = Report(rows, prompts, labels, [], [batch_size], "", {}, "", None)
-    print("| method | questions | speedup vs ar | 95% interval |\n| --- | ---: | ---: | ---: |")
+    print("| method | questions | speedup vs ar | 95% interval | NLL vs ar | 95% interval |\n"
+          "| --- | ---: | ---: | ---: | ---: | ---: |")
     for m in labels:
         ratio, interval = report.speedup(m, batch_size, ids), report.speedup_interval(m, batch_size, ids)
-        if m != "ar" and ratio is not None:
-            shown = "-" if interval is None else f"{interval[0]:.2f}-{interval[1]:.2f}x"
-            print(f"| `{m}` | {len(report.rows[(m, batch_size)])} | {ratio:.2f}x | {shown} |")
+        if m == "ar" or ratio is None:
+            continue
+        nll, ar_nll, _, _ = report.quality(m, batch_size, ids)
+        change = None if nll is None else nll / ar_nll - 1
+        nll_interval = report.nll_interval(m, batch_size, ids) if change is not None else None
+        print(f"| `{m}` | {len(report.rows[(m, batch_size)])} | {ratio:.2f}x | "
+              f"{'-' if interval is None else f'{interval[0]:.2f}-{interval[1]:.2f}x'} | "
+              f"{'-' if change is None else f'{change:+.1%}'} | "
+              f"{'-' if nll_interval is None else f'{nll_interval[0]:+.1%} to {nll_interval[1]:+.1%}'} |")
 
 
 if __name__ == "__main__":

@@ -303,3 +303,24 @@ def test_speedup_interval_brackets_the_ratio():
         assert lo < r.speedup("x", 1, r._ids()) < hi
         widths.append(hi - lo)
     assert widths[1] < widths[0]
+
+
+def test_nll_interval_brackets_the_change():
+    """The quality table's interval of "NLL vs ar" resamples the questions: a method 10% above ar's
+    NLL on every question gets exactly +10% to +10%; per-question changes of either sign give an
+    interval around the pooled change that contains 0 when the signs balance."""
+    def report(factors):
+        prompts = [{"id": i, "category": "c"} for i in range(len(factors))]
+        rows = [{"id": i, "method": m, "batch_size": 1, "tokens_per_second": 1.0, "nll_tokens": 100 + i,
+                 "nll_sum": (100 + i) * 0.5 * (f if m == "x" else 1)}
+                for i, f in enumerate(factors) for m in ("ar", "x")]
+        return bench_report.Report(rows, prompts, ["ar", "x"], [], [1], "", {}, "", None)
+
+    even = report([1.1] * 5)
+    assert even.nll_interval("x", 1, even._ids()) == pytest.approx((0.1, 0.1))
+    assert "| +10.0% | +10.0% to +10.0% |" in even.quality_table()
+    mixed = report([0.7, 1.3] * 6)
+    nll, ar_nll, _, _ = mixed.quality("x", 1, mixed._ids())
+    lo, hi = mixed.nll_interval("x", 1, mixed._ids())
+    assert lo < nll / ar_nll - 1 < hi and lo < 0 < hi
+    assert report([1.1, 1.2]).nll_interval("x", 1, report([1.1, 1.2])._ids()) is None  # too few

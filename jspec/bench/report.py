@@ -82,6 +82,17 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join("| " + " | ".join(r) + " |" for r in [header, align, *rows])
 
 
+def _resampled(statistic, n: int, resamples: int = 2000):
+    """The 2.5th and 97.5th percentiles of statistic([resamples, n] question indices) over seeded
+    draws of n questions with replacement (the same draw for every method compared); None below 3
+    questions."""
+    if n < 3:
+        return None
+    draw = np.random.default_rng(0).integers(0, n, (resamples, n))
+    lo, hi = np.percentile(statistic(draw), [2.5, 97.5])
+    return float(lo), float(hi)
+
+
 class Report:
     def __init__(self, rows, prompts, labels, hf_methods, sizes, command, machine, model_name, args):
         self.prompts, self.labels, self.hf = prompts, list(labels), list(hf_methods)
@@ -114,20 +125,14 @@ class Report:
         a, c = _mean(mine[i]["tokens_per_second"] for i in common), _mean(theirs[i]["tokens_per_second"] for i in common)
         return a / c if a and c else None
 
-    def speedup_interval(self, method, b, ids, base=("ar", None), resamples: int = 2000):
-        """A 95% interval of `speedup` over the choice of questions: the ratio recomputed on
-        `resamples` draws of the common questions with replacement (the same draw for both
-        methods, seeded), its 2.5th and 97.5th percentiles; None below 3 questions. It says how
+    def speedup_interval(self, method, b, ids, base=("ar", None)):
+        """A 95% interval of `speedup` over the choice of questions (`_resampled`). It says how
         much the ratio depends on which questions were asked, not how the host's speed drifts
         between runs."""
         mine, theirs, common = self._paired(method, b, ids, base)
-        if len(common) < 3:
-            return None
         a = np.array([mine[i]["tokens_per_second"] for i in common])
         c = np.array([theirs[i]["tokens_per_second"] for i in common])
-        draw = np.random.default_rng(0).integers(0, len(common), (resamples, len(common)))
-        lo, hi = np.percentile(a[draw].mean(1) / c[draw].mean(1), [2.5, 97.5])
-        return float(lo), float(hi)
+        return _resampled(lambda d: a[d].mean(1) / c[d].mean(1), len(common))
 
     def accepted(self, method, b, ids):
         got = self.rows.get((method, b), {})
@@ -147,15 +152,30 @@ class Report:
                 out[method if b == self.main else f"{method} (b={b})"] = bad
         return out
 
+    def _scored(self, method, b, ids):
+        """(method's rows, ar's rows, the questions of ids whose outputs both have NLLs for)."""
+        mine, ar = self.rows.get((method, b), {}), self.rows.get(("ar", b), {})
+        return mine, ar, [i for i in ids if i in mine and i in ar and "nll_sum" in mine[i] and "nll_sum" in ar[i]]
+
     def quality(self, method, b, ids):
         """(mean NLL per token, ar's on the same questions, mean fraction of tokens identical to ar,
         mean layers per token) of a lossy method; None where not measured."""
-        mine, ar = self.rows.get((method, b), {}), self.rows.get(("ar", b), {})
-        common = [i for i in ids if i in mine and i in ar and "nll_sum" in mine[i] and "nll_sum" in ar[i]]
+        mine, ar, common = self._scored(method, b, ids)
         nll = lambda got: (sum(got[i]["nll_sum"] for i in common) / sum(got[i]["nll_tokens"] for i in common)
                            if common and sum(got[i]["nll_tokens"] for i in common) else None)
         return (nll(mine), nll(ar), _mean(mine[i].get("same_tokens") for i in common),
                 _mean(mine[i].get("mean_layers") for i in common))
+
+    def nll_interval(self, method, b, ids):
+        """A 95% interval of the NLL's relative change against `ar`'s (the quality table's "NLL vs
+        ar") over the choice of questions (`_resampled`). A lossy method's changed token changes
+        the rest of its answer, so a question's NLL moves either way by far more than the method
+        shifts the mean; this says whether a difference outlives the choice of questions."""
+        mine, ar, common = self._scored(method, b, ids)
+        nll_sum, tokens, ar_nll_sum, ar_tokens = (np.array([got[i][key] for i in common], float)
+                                                  for got in (mine, ar) for key in ("nll_sum", "nll_tokens"))
+        return _resampled(lambda d: (nll_sum[d].sum(1) / tokens[d].sum(1))
+                          / (ar_nll_sum[d].sum(1) / ar_tokens[d].sum(1)) - 1, len(common))
 
     def lossy_labels(self) -> list[str]:
         return [m for m in self.labels if m != "ar"
@@ -167,12 +187,14 @@ class Report:
             for cat in self.categories + [None]:
                 ids = self._ids(cat)
                 nll, ar_nll, same, layers = self.quality(m, self.main, ids)
+                interval = self.nll_interval(m, self.main, ids)
                 rows.append([f"`{m}`", cat or "**overall**", str(len(ids)),
                              _fmt(self.speedup(m, self.main, ids, ("ar", self.main)), ".2f", "x"),
                              _fmt(nll, ".3f"), _fmt(ar_nll, ".3f"),
                              _fmt(nll / ar_nll - 1 if nll is not None and ar_nll else None, "+.1%"),
+                             "-" if interval is None else f"{interval[0]:+.1%} to {interval[1]:+.1%}",
                              _fmt(same, ".1%"), _fmt(layers, ".1f")])
-        return _table(["method", "category", "questions", "speedup vs ar", "NLL", "ar NLL", "NLL vs ar",
+        return _table(["method", "category", "questions", "speedup vs ar", "NLL", "ar NLL", "NLL vs ar", "95% interval",
                        "tokens identical to ar", "mean layers"], rows)
 
     # -- tables ----------------------------------------------------------------------------------
@@ -267,7 +289,8 @@ class Report:
         if self.lossy_labels():
             out += [f"### Lossy methods: quality (batch {b})", "", self.quality_table(), "",
                     "NLL: mean negative log-likelihood per generated token under the full model, teacher-forced "
-                    "(jspec/quality.py), beside `ar`'s on the same questions. Tokens identical to ar: the "
+                    "(jspec/quality.py), beside `ar`'s on the same questions; the 95% interval of its change "
+                    "resamples the questions as the speedup's does. Tokens identical to ar: the "
                     "fraction of ar's positions where the method wrote the same token. Mean layers: layers run "
                     "per decoded token.", ""]
         if len(self.sizes) > 1:

@@ -323,4 +323,5 @@ def test_nll_interval_brackets_the_change():
     nll, ar_nll, _, _ = mixed.quality("x", 1, mixed._ids())
     lo, hi = mixed.nll_interval("x", 1, mixed._ids())
     assert lo < nll / ar_nll - 1 < hi and lo < 0 < hi
-    assert report([1.1, 1.2]).nll_interval("x", 1, report([1.1, 1.2])._ids()) is None  # too few
+    two = report([1.1, 1.2])
+    assert two.nll_interval("x", 1, two._ids()) is None  # too few questions

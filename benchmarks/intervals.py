@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 
-from jspec.bench.report import Report
+from jspec.bench.report import Report, change_range, nll_change, speedup_range
 
 
 def main(path: str, batch_size: int = 1) -> None:
@@ -23,16 +23,14 @@ def main(path: str, batch_size: int = 1) -> None:
     print("| method | questions | speedup vs ar | 95% interval | NLL vs ar | 95% interval |\n"
           "| --- | ---: | ---: | ---: | ---: | ---: |")
     for m in labels:
-        ratio, interval = report.speedup(m, batch_size, ids), report.speedup_interval(m, batch_size, ids)
+        ratio = report.speedup(m, batch_size, ids)
         if m == "ar" or ratio is None:
             continue
         nll, ar_nll, _, _ = report.quality(m, batch_size, ids)
-        change = None if nll is None else nll / ar_nll - 1
-        nll_interval = report.nll_interval(m, batch_size, ids) if change is not None else None
+        change = nll_change(nll, ar_nll)
         print(f"| `{m}` | {len(report.rows[(m, batch_size)])} | {ratio:.2f}x | "
-              f"{'-' if interval is None else f'{interval[0]:.2f}-{interval[1]:.2f}x'} | "
-              f"{'-' if change is None else f'{change:+.1%}'} | "
-              f"{'-' if nll_interval is None else f'{nll_interval[0]:+.1%} to {nll_interval[1]:+.1%}'} |")
+              f"{speedup_range(report.speedup_interval(m, batch_size, ids))} | "
+              f"{'-' if change is None else f'{change:+.1%}'} | {change_range(report.nll_interval(m, batch_size, ids))} |")
 
 
 if __name__ == "__main__":

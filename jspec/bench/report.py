@@ -82,6 +82,21 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join("| " + " | ".join(r) + " |" for r in [header, align, *rows])
 
 
+def speedup_range(interval) -> str:
+    """A speedup's 95% interval as the tables show it ("1.21-1.43x"; "-" for none)."""
+    return "-" if interval is None else f"{interval[0]:.2f}-{interval[1]:.2f}x"
+
+
+def change_range(interval) -> str:
+    """A relative change's 95% interval as the tables show it ("-3.9% to +6.8%"; "-" for none)."""
+    return "-" if interval is None else f"{interval[0]:+.1%} to {interval[1]:+.1%}"
+
+
+def nll_change(nll, ar_nll):
+    """The relative change of a method's NLL against ar's ("NLL vs ar"); None where either is missing."""
+    return nll / ar_nll - 1 if nll is not None and ar_nll else None
+
+
 def _resampled(statistic, n: int, resamples: int = 2000):
     """The 2.5th and 97.5th percentiles of statistic([resamples, n] question indices) over seeded
     draws of n questions with replacement (the same draw for every method compared); None below 3
@@ -191,8 +206,7 @@ class Report:
                 rows.append([f"`{m}`", cat or "**overall**", str(len(ids)),
                              _fmt(self.speedup(m, self.main, ids, ("ar", self.main)), ".2f", "x"),
                              _fmt(nll, ".3f"), _fmt(ar_nll, ".3f"),
-                             _fmt(nll / ar_nll - 1 if nll is not None and ar_nll else None, "+.1%"),
-                             "-" if interval is None else f"{interval[0]:+.1%} to {interval[1]:+.1%}",
+                             _fmt(nll_change(nll, ar_nll), "+.1%"), change_range(interval),
                              _fmt(same, ".1%"), _fmt(layers, ".1f")])
         return _table(["method", "category", "questions", "speedup vs ar", "NLL", "ar NLL", "NLL vs ar", "95% interval",
                        "tokens identical to ar", "mean layers"], rows)
@@ -216,7 +230,7 @@ class Report:
             interval = self.speedup_interval(m, bm, ids, ("ar", b)) if m != "ar" else None
             rows.append([f"`{m}`", str(len(got)), _fmt(self.tps(m, bm, ids), ".1f"),
                          _fmt(self.speedup(m, bm, ids, ("ar", b)), ".2f", "x"),
-                         "-" if interval is None else f"{interval[0]:.2f}-{interval[1]:.2f}x",
+                         speedup_range(interval),
                          _fmt(self.speedup(m, bm, ids, hf_base), ".2f", "x") if hf_base else "-",
                          _fmt(self.accepted(m, bm, ids), ".2f"), miss])
         return _table(["method", "prompts", "tokens/s", "speedup vs jspec ar", "95% interval", "speedup vs HF generate",

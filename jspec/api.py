@@ -210,6 +210,10 @@ class Model:
         if not 0 <= logprobs <= self.cfg.vocab_size:
             raise JspecError(f"logprobs must be in 0..{self.cfg.vocab_size}, got {logprobs}")
         sampling = Sampling(temperature, top_k, top_p)
+        if top_k > self.cfg.vocab_size:
+            raise JspecError(f"--top-k must be at most the vocabulary size {self.cfg.vocab_size}, got {top_k}")
+        if not 0 <= seed < 2**32:  # jax keeps 32 bits of a seed: 2**32 would sample what 0 does
+            raise JspecError(f"--seed must be in 0..{2**32 - 1}, got {seed}")
         context = self.cfg.max_position_embeddings
         for r in requests:
             if len(r.token_ids) + max_new_tokens > context:

@@ -77,7 +77,7 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
                    help="prompts per compiled call, batched by length; the output keeps the prompts' "
                         "order (default: %(default)s)")
     g.add_argument("--temperature", type=float, default=0.0, metavar="T",
-                   help="sampling temperature; 0 is greedy (default: %(default)s)")
+                   help="sampling temperature: 0 is greedy, otherwise at least 1e-6 (default: %(default)s)")
     g.add_argument("--top-k", type=int, default=0, metavar="K",
                    help="sample among the K most likely tokens; 0 is off (default: %(default)s)")
     g.add_argument("--top-p", type=float, default=1.0, metavar="P",
@@ -87,8 +87,8 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
                    help="feed text prompts as they are, without the model's chat template")
     d = p.add_argument_group("speculative decoding (methods other than ar)")
     d.add_argument("--max-draft", type=int, default=None, metavar="K",
-                   help="most tokens drafted per round (default: 4 for eesd, kangaroo, eagle and mjsd, 12 for "
-                        "knn-ssd, 8 otherwise)")
+                   help="most tokens drafted per round (default: eesd, kangaroo and eagle 1 on a CPU and 4 "
+                        "elsewhere; ngram 4 on a CPU and 8 elsewhere; mjsd 4; knn-ssd 12; 8 otherwise)")
     d.add_argument("--controller", default=None, choices=tuple(CONTROLLERS),
                    help="draft-length controller (default: the method's own, see docs/methods.md)")
     d.add_argument("--threshold", type=float, default=None,
@@ -154,9 +154,6 @@ def check_generation_args(args: argparse.Namespace) -> None:
         raise JspecError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.batch_size < 1:
         raise JspecError(f"--batch-size must be >= 1, got {args.batch_size}")
-    for name in ("temperature", "top_p"):
-        if not math.isfinite(getattr(args, name)):
-            raise JspecError(f"--{name.replace('_', '-')} must be a finite number")
     Sampling(args.temperature, args.top_k, args.top_p)  # raises a JspecError naming the option
     if (args.knn is not None or args.domain is not None) and args.method != "knn-ssd":
         raise JspecError("--knn and --domain go with --method knn-ssd")
@@ -556,6 +553,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     import random
 
     from jspec.jsonl import read_prompts
+    from jspec.sampling import Sampling
     from jspec.training import distill, teacher_forced
 
     every_set = [s for s in prompt_sets.SETS if s != prompt_sets.SPEC_BENCH]
@@ -571,6 +569,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
         raise JspecError("--answers goes with --source text")
     if args.source == "text" and args.skip:
         raise JspecError("--skip goes with --source answers (--count samples the text)")
+    Sampling(args.temperature)  # before the model loads
     model = load_model(args)
     if args.source == "answers":
         out = distill.make(model, prompts, args.out, count=args.count or 512,

@@ -48,7 +48,11 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     # TPU programs use their own and ignore this.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if auto:
-        jax.distributed.initialize(initialization_timeout=timeout)
+        try:
+            jax.distributed.initialize(initialization_timeout=timeout)
+        except ValueError as e:  # jax found no cluster in the environment
+            raise JspecError(f"--distributed found no multi-process setup here ({e}); give --coordinator, "
+                             "--num-processes and --process-id") from None
         return
     if num_processes < 1 or not 0 <= process_id < num_processes:
         raise JspecError(f"--process-id must be in 0..{num_processes - 1} for --num-processes {num_processes}, "

@@ -117,6 +117,8 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
           lookup: int | None = None, lookup_draft: int | None = None, datastore: str | None = None,
           candidates: int | None = None):
     """(drafter, drafter params, controller) for `method` on `model` (a jspec.api.Model)."""
+    if lookup_draft is not None and lookup is None and method != "ngram":
+        raise JspecError("--lookup-draft goes with --lookup N")
     if method == "ngram" and lookup_draft is None:  # n-gram drafting is lookup: --lookup is its shortest repeat
         ngram, lookup = _shortest_repeat(lookup), None
     if lookup is not None or lookup_draft is not None:

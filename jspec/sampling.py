@@ -8,11 +8,14 @@ static costs one compile per setting and keeps the hot loop free of dead sorting
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 
 from jspec.errors import JspecError
+
+MIN_TEMPERATURE = 1e-6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,8 +25,11 @@ class Sampling:
     top_p: float = 1.0  # 1 means off
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise JspecError(f"--temperature must be >= 0, got {self.temperature}")
+        # Near 0, logits / temperature overflows float32 (1e-40 gave token 0 at every step); such a
+        # temperature is greedy decoding in all but name, which 0 asks for exactly.
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):
+            raise JspecError(f"--temperature must be 0 (greedy) or a number >= {MIN_TEMPERATURE:g}, "
+                             f"got {self.temperature}")
         if self.top_k < 0:
             raise JspecError(f"--top-k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:

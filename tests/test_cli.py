@@ -251,7 +251,10 @@ def test_bad_prompts_file(capsys, tmp_path, lines, phrase):
 @pytest.mark.parametrize("args, phrase", [
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--batch-size", "0"], "--batch-size must be >= 1"),
-    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--temperature", "-1"], "--temperature must be 0 (greedy) or a number >= 1e-06"),
+    (["--temperature", "nan"], "--temperature must be 0"),
+    (["--temperature", "1e-40"], "--temperature must be 0"),
+    (["--top-p", "nan"], "--top-p must be in"),
     (["--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--method", "nope"], "unknown --method 'nope'; choose one of ar"),
     (["--mesh", "data=two"], "write it as data=N,model=M"),

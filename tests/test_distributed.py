@@ -101,6 +101,18 @@ def test_no_coordinator_is_one_line(setup, tmp_path):
     assert not (tmp_path / "o.jsonl").exists()
 
 
+def test_distributed_without_a_cluster_is_one_line(setup, tmp_path):
+    """--distributed on a machine with no multi-process setup for jax to detect."""
+    model, prompts, _ = setup
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "OMPI_", "TPU_", "MEGASCALE_", "JAX_COORDINATOR"))}
+    p = subprocess.run([sys.executable, "-m", "jspec.cli", "generate", "--prompts", str(prompts), "--output",
+                        str(tmp_path / "o.jsonl"), "--model", str(model), "--distributed", "--mesh", "data=1",
+                        "--init-timeout", "5"], env=env, capture_output=True, text=True, timeout=120)
+    one_line_error(p.returncode, p.stderr, "--distributed found no multi-process setup here")
+    assert not (tmp_path / "o.jsonl").exists()
+
+
 def test_mismatched_process_counts_are_one_line(setup, tmp_path):
     model, prompts, _ = setup
     results = launch(model, "--prompts", prompts, "--output", tmp_path / "o.jsonl", *ARGS[:2], num=(2, 3))

@@ -233,8 +233,14 @@ def test_bad_requests_are_explained(tiny):
     for name in ("max_new_tokens", "batch_size", "seed"):
         with pytest.raises(JspecError, match=f"{name} must be an integer, got 2.5"):
             tiny.generate(ok, **{name: 2.5})
-    with pytest.raises(JspecError, match="temperature must be >= 0"):
-        tiny.generate(ok, temperature=-1.0)
+    for bad in (-1.0, float("nan"), 1e-40):  # 1e-40: logits / temperature overflows float32
+        with pytest.raises(JspecError, match="temperature must be 0"):
+            tiny.generate(ok, temperature=bad)
+    with pytest.raises(JspecError, match=f"top-k must be at most the vocabulary size {tiny.cfg.vocab_size}"):
+        tiny.generate(ok, temperature=1.0, top_k=tiny.cfg.vocab_size + 1)
+    for bad in (-1, 2**32):
+        with pytest.raises(JspecError, match=r"seed must be in 0\.\.4294967295"):
+            tiny.generate(ok, temperature=1.0, seed=bad)
 
 
 # -- the default model -----------------------------------------------------------------------------

@@ -407,6 +407,10 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         (["distill-data", "--prompts", "all", "spec_bench", "--out", str(tmp_path / "d")], "evaluation set"),
         (["distill-data", "--answers", str(tmp_path), "--out", str(tmp_path / "d")], "--answers goes with --source text"),
         (["distill-data", "--count", "0", "--out", str(tmp_path / "d")], "--count must be >= 1"),
+        (["distill-data", "--temperature", "nan", "--out", str(tmp_path / "d"), "--model", "/no/such/model"],
+         r"--temperature must be 0 \(greedy\)"),
+        (["train-head", "--kind", "eesd", "--exit-layer", "4", "--data", "d", "--out", "h", "--lr", "nan"],
+         "--lr and --clip must be > 0"),
         (["train-head", "--kind", "eesd", "--exit-layer", "4", "--data", str(tmp_path / "none"),
           "--out", str(tmp_path / "h"), "--model", "/no/such/model"], "holds no distillation data"),
         (["train-head", "--kind", "medusa", "--exit-layer", "4", "--data", "d", "--out", "h"], "invalid choice"),
@@ -422,6 +426,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and err.startswith("jspec: error:")
         assert __import__("re").search(message, err), err
+    assert not (tmp_path / "d").exists()  # nothing written before the error
 
 
 @pytest.mark.slow

@@ -361,6 +361,11 @@ def test_keep_candidate_moves_the_heads_entries_too(spec):
     (dict(method="ngram", exit_layer=1), "--exit-layer does not go with --method ngram"),
     (dict(method="eesd", skip_layers=(1,)), "--skip-layers does not go with --method eesd"),
     (dict(method="specee", exit_layer=1), "--exit-layer does not go with --method specee"),
+    (dict(method="eagle", lookup_draft=8), "--lookup-draft goes with --lookup N"),
+    (dict(method="ar", threshold=0.5), "--threshold does not go with the fixed controller"),
+    (dict(method="early-exit", controller="fixed", threshold=0.9), "--threshold does not go with the fixed"),
+    (dict(method="layer-skip", draft_cost=0.5), "--draft-cost does not go with the dv controller"),
+    (dict(method="early-exit", thompson_variant="calibration"), "--thompson-variant does not go with the confidence"),
 ])
 def test_options_a_method_would_ignore_are_refused(spec, options, phrase):
     if options["method"] in heads.KINDS:

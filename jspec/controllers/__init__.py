@@ -28,8 +28,18 @@ CONTROLLERS = {"fixed": Fixed, "confidence": Confidence, "heuristic": Heuristic,
                "thompson": Thompson}
 
 
+# The command line's name for each controller option.
+FLAGS = {"threshold": "--threshold", "variant": "--thompson-variant", "cost": "--draft-cost"}
+
+
 def make_controller(name: str, **options):
+    """`options` left None are the controller's defaults; one it does not have is refused, so that
+    no run silently measures something other than what it names."""
     if name not in CONTROLLERS:
         raise JspecError(f"unknown controller {name!r}; choose one of {', '.join(CONTROLLERS)}")
     fields = {f.name for f in dataclasses.fields(CONTROLLERS[name])}
-    return CONTROLLERS[name](**{k: v for k, v in options.items() if k in fields and v is not None})
+    given = {k: v for k, v in options.items() if v is not None}
+    stray = sorted(given.keys() - fields)
+    if stray:
+        raise JspecError(f"{FLAGS.get(stray[0], stray[0])} does not go with the {name} controller")
+    return CONTROLLERS[name](**given)

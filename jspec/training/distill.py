@@ -36,6 +36,7 @@ import numpy as np
 from jspec import model as M
 from jspec.engine.loop import top_logprobs
 from jspec.errors import JspecError
+from jspec.sampling import Sampling
 
 FORMAT = 1
 MIN_WIDTH = 32  # the narrowest padded width of a forward (padded_widths)
@@ -55,6 +56,7 @@ def make(lm, prompts: list[dict], out: str | os.PathLike, *, count: int = 512, m
         raise JspecError("count, max-new-tokens, top-k, shard-size and batch-size must all be >= 1")
     if skip < 0:
         raise JspecError(f"skip must be >= 0, got {skip}")
+    Sampling(temperature)  # refuses a bad temperature before meta.json records it
     out = Path(out)
     meta = {"format": FORMAT, "model": lm.name, "prompts": source, "count": count, "max_prompt_tokens": max_prompt_tokens,
             "max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,

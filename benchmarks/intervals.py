@@ -11,11 +11,12 @@ from __future__ import annotations
 import json
 import sys
 
+from jspec import prompt_sets
 from jspec.bench.report import Report, change_range, nll_change, speedup_range
 
 
 def main(path: str, batch_size: int = 1) -> None:
-    rows = [json.loads(line) for line in open(path)]
+    rows = [json.loads(line) for line in prompt_sets.read_text(path, "results").split("\n") if line.strip()]
     ids = list(dict.fromkeys(json.dumps(r["id"]) for r in rows if r["method"] == "ar" and r["batch_size"] == batch_size))
     prompts = [{"id": json.loads(i), "category": ""} for i in ids]
     labels = list(dict.fromkeys(r["method"] for r in rows if r.get("kind", "jspec") == "jspec"))

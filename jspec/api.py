@@ -65,10 +65,11 @@ def load(model: str | None = None, dtype: str = "float32", mesh: str | jax.shard
     path = model_cache.resolve(model, dtype)
     if distributed.is_writer():
         distributed.barrier("jspec.load")
-    cfg, _ = store.read_meta(path)
+    cfg, meta = store.read_meta(path)
     shardings = sharding.param_shardings(param_shapes(cfg), mesh) if mesh is not None else None
     cfg, params, tokenizer = store.load(path, dtype, shardings)
-    return Model(cfg, params, tokenizer, mesh, name=model or model_cache.DEFAULT_MODEL)
+    default = model is None or model_cache.is_default(meta["source"])
+    return Model(cfg, params, tokenizer, mesh, name=model_cache.DEFAULT_MODEL if default else model)
 
 
 def prompt_bucket(n: int) -> int:

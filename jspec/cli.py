@@ -145,8 +145,10 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
 def check_generation_args(args: argparse.Namespace) -> None:
     """Cheap checks of the generation options, before any model is loaded."""
     from jspec.api import METHODS
+    from jspec.controllers import check_ranges
     from jspec.methods import LOSSY
     from jspec.sampling import Sampling
+    from jspec.sharding import parse_mesh
 
     if args.method not in METHODS:
         raise JspecError(f"unknown --method {args.method!r}; choose one of {', '.join(METHODS)}")
@@ -155,6 +157,7 @@ def check_generation_args(args: argparse.Namespace) -> None:
     if args.batch_size < 1:
         raise JspecError(f"--batch-size must be >= 1, got {args.batch_size}")
     Sampling(args.temperature, args.top_k, args.top_p)  # raises a JspecError naming the option
+    check_ranges(threshold=args.threshold, cost=args.draft_cost)
     if (args.knn is not None or args.domain is not None) and args.method != "knn-ssd":
         raise JspecError("--knn and --domain go with --method knn-ssd")
     if args.exit_threshold is not None and not (math.isfinite(args.exit_threshold) and args.exit_threshold >= 0):
@@ -163,10 +166,7 @@ def check_generation_args(args: argparse.Namespace) -> None:
         logging.getLogger("jspec").warning(
             f"--method {args.method} is lossy: its output differs from ar's (docs/methods.md measures the cost)")
     if args.mesh is not None:
-        for part in filter(None, args.mesh.replace(" ", "").split(",")):
-            name, _, value = part.partition("=")
-            if name not in ("data", "model") or not value.isdigit() or int(value) < 1:
-                raise JspecError(f"bad --mesh {args.mesh!r}: write it as data=N,model=M")
+        parse_mesh(args.mesh)
 
 
 def generation_options(args: argparse.Namespace) -> dict:
@@ -294,6 +294,11 @@ def _generate_file(args: argparse.Namespace) -> int:
     settings = {"model": args.model, "dtype": args.dtype, "method": args.method, "chat": not args.no_chat, **options}
     writer = (RecordWriter(args.output, resume=args.resume, settings=settings) if distributed.is_writer()
               else NoWriter(args.output))
+    stale = writer.done_ids - {p["id"] for p in prompts}
+    if stale:
+        raise JspecError(f"{writer.partial} holds records of ids that {args.prompts} no longer has "
+                         f"({', '.join(json.dumps(i) for i in sorted(stale, key=str)[:3])}); "
+                         "run without --resume to start over")
     done = distributed.from_writer(np.asarray([writer.complete or p["id"] in writer.done_ids for p in prompts]))
     if done.all() and writer.complete:
         print(f"{args.output} is already complete; nothing to do (run without --resume to redo it)",
@@ -525,7 +530,8 @@ def _add_distill(sub) -> None:
                    help="--source text: also the prompt + answer rows of these answer folders")
     p.add_argument("--out", required=True, metavar="DIR", help="the data folder")
     p.add_argument("--count", type=int, metavar="N",
-                   help="prompts to use, a seeded choice; answers: a larger N extends a folder (default: 512 answers; all the text)")
+                   help="prompts to use, a seeded choice; answers: a larger N extends a folder; text: 0 keeps only "
+                        "the --answers rows (default: 512 answers; all the text)")
     p.add_argument("--skip", type=int, default=0, metavar="N",
                    help="answers: leave out the first N prompts of the seeded choice, which another folder or "
                         "machine answers (--count N there); the two folders train as one (default: %(default)s)")
@@ -563,8 +569,9 @@ def cmd_distill(args: argparse.Namespace) -> int:
         if source.name in ("spec_bench.jsonl", "spec_bench.jsonl.gz"):
             raise JspecError("spec_bench is the evaluation set: distill from training prompts")
         prompts += read_prompts(source)
-    if args.count is not None and args.count < 1:
-        raise JspecError(f"--count must be >= 1, got {args.count}")
+    if args.count is not None and args.count < 0 + (args.source == "answers" or not args.answers):
+        raise JspecError(f"--count must be >= 1 (0 with --source text and --answers: their rows alone), "
+                         f"got {args.count}")
     if args.source == "answers" and args.answers:
         raise JspecError("--answers goes with --source text")
     if args.source == "text" and args.skip:

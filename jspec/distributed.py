@@ -42,6 +42,13 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     if not auto and not all(given):
         raise JspecError("a multi-process run needs all of --coordinator HOST:PORT, --num-processes N and "
                          "--process-id I (or --distributed on a TPU pod)")
+    if not auto:
+        if num_processes < 1:
+            raise JspecError(f"--num-processes must be >= 1, got {num_processes}")
+        if not 0 <= process_id < num_processes:
+            raise JspecError(f"--process-id must be in 0..{num_processes - 1} for --num-processes "
+                             f"{num_processes}, got {process_id}")
+        host, port = _address(coordinator)
     if jax.distributed.is_initialized():
         raise JspecError("jax.distributed is already initialized in this process")
     # Collectives between CPU processes (the two-process test, CPU hosts) go through gloo; GPU and
@@ -54,10 +61,6 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
             raise JspecError(f"--distributed found no multi-process setup here ({e}); give --coordinator, "
                              "--num-processes and --process-id") from None
         return
-    if num_processes < 1 or not 0 <= process_id < num_processes:
-        raise JspecError(f"--process-id must be in 0..{num_processes - 1} for --num-processes {num_processes}, "
-                         f"got {process_id}")
-    host, port = _address(coordinator)
     if process_id != 0:
         # jax's client aborts the process (a C++ fatal error with a stack trace) when no coordinator
         # answers within the timeout: find out first, and say so in one line.

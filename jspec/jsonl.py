@@ -3,7 +3,7 @@
 Prompts: one JSON object a line, with `prompt` (a string), `messages` (a list of
 {role, content}) or `token_ids` (already tokenized, used as they are), and optionally `id`
 (default: the 0-based index among the prompt lines).
-A file whose name ends in .gz is read gzip-compressed.
+A file whose name ends in .gz is read gzip-compressed, and an output so named is written so.
 
 Records go to `OUT.partial`, appended and fsynced batch by batch as the batches finish;
 `finish()` puts them in the prompts' order and renames the file to `OUT` atomically. An
@@ -15,8 +15,11 @@ the settings the partial file was written with: they are kept beside it).
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -137,13 +140,24 @@ class RecordWriter:
         self.complete = resume and self.path.exists() and not self.partial.exists()
         if self.complete:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._check_writable()
         if resume and self.partial.exists():
             self._check_settings()
             self._recover()
         else:
             self.partial.unlink(missing_ok=True)
             self._settings_path.unlink(missing_ok=True)
+
+    def _check_writable(self) -> None:
+        """Fail now, not after the first batch has been computed, where the output cannot go."""
+        above = next(p for p in self.path.absolute().parents if p.exists())
+        if not above.is_dir():
+            raise JspecError(f"cannot write {self.path}: {above} is a file, not a folder")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=self.path.parent).close()
+        except OSError as e:
+            raise JspecError(f"cannot write {self.path}: {e.strerror or e}") from None
 
     def _check_settings(self) -> None:
         if self._settings is None or not self._settings_path.exists():  # a partial file of an older jspec
@@ -208,6 +222,8 @@ class RecordWriter:
             self.partial.touch()
         if order is not None:
             self._sort(order)
+        if self.path.name.endswith(".gz"):  # the partial file stays plain: appends and resumes need it so
+            self._compress()
         os.replace(self.partial, self.path)
         self._settings_path.unlink(missing_ok=True)
         try:
@@ -234,6 +250,15 @@ class RecordWriter:
             f.flush()
             os.fsync(f.fileno())
         os.replace(sorting, self.partial)  # a crash here leaves a complete partial file either way
+
+    def _compress(self) -> None:
+        packed = self.partial.with_name(self.partial.name + ".gz")
+        with open(self.partial, "rb") as src, open(packed, "wb") as raw:
+            with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as f:
+                shutil.copyfileobj(src, f)
+            raw.flush()
+            os.fsync(raw.fileno())
+        os.replace(packed, self.partial)
 
     def __enter__(self) -> "RecordWriter":
         return self

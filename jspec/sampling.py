@@ -34,6 +34,8 @@ class Sampling:
             raise JspecError(f"--top-k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise JspecError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.greedy and (self.top_k or self.top_p < 1):  # greedy takes the top token: nothing to cut
+            raise JspecError("--top-k and --top-p shape sampling: give them with a --temperature above 0")
 
     @property
     def greedy(self) -> bool:

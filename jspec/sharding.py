@@ -53,16 +53,22 @@ RULES: dict[str, tuple[str | None, ...]] = {
 CACHE_RULE = ("data", None, "model", None)
 
 
+def parse_mesh(spec: str) -> dict[str, int]:
+    """'data=2,model=4' -> {"data": 2, "model": 4}; an axis left out has size 1."""
+    given = {}
+    for part in spec.replace(" ", "").split(","):
+        name, _, value = part.partition("=")
+        if name not in ("data", "model") or name in given or not value.isdigit() or int(value) < 1:
+            raise JspecError(f"bad --mesh {spec!r}: write it as data=N,model=M, each axis at most once")
+        given[name] = int(value)
+    return {"data": 1, "model": 1, **given}
+
+
 def make_mesh(spec: str | Mesh | None) -> Mesh | None:
     """'data=2,model=4' -> Mesh over the first data*model devices; either axis may be left out."""
     if spec is None or isinstance(spec, Mesh):
         return spec
-    sizes = {"data": 1, "model": 1}
-    for part in filter(None, spec.replace(" ", "").split(",")):
-        name, _, value = part.partition("=")
-        if name not in sizes or not value.isdigit() or int(value) < 1:
-            raise JspecError(f"bad --mesh {spec!r}: write it as data=N,model=M")
-        sizes[name] = int(value)
+    sizes = parse_mesh(spec)
     need, have = sizes["data"] * sizes["model"], len(jax.devices())
     if need > have:
         raise JspecError(f"--mesh {spec} needs {need} devices but only {have} are available")

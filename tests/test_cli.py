@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -16,7 +17,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 import jspec.api
 from jspec.cli import main
 from jspec.convert import store
-from jspec.jsonl import RecordWriter, read_prompts
+from jspec.jsonl import RecordWriter, read_prompts, read_records
 
 FIELDS = {"id", "text", "token_ids", "new_tokens", "prompt_tokens", "seconds", "tokens_per_second", "stats"}
 TIMING = ("seconds", "tokens_per_second")
@@ -130,6 +131,16 @@ def test_resume_keeps_finished_records(capsys, tiny, tmp_path):
     assert [untimed(r) for r in read_jsonl(out)] == [untimed(r) for r in reference]
 
 
+def test_resume_refuses_records_the_prompts_no_longer_have(capsys, tiny, tmp_path):
+    prompts = write_lines(tmp_path / "in.jsonl", *PROMPTS)
+    out = tmp_path / "out.jsonl"
+    partial = out.with_name("out.jsonl.partial")
+    partial.write_text(json.dumps({"id": "gone", "token_ids": [1]}) + "\n" + json.dumps({"id": 0, "token_ids": [1]}) + "\n")
+    assert_one_error(*run(capsys, "generate", "--prompts", prompts, "--output", out, "--model", tiny, "--resume", *GEN),
+                     'no longer has ("gone")')
+    assert len(read_jsonl(partial)) == 2 and not out.exists()
+
+
 def test_failure_mid_run_leaves_output_untouched(capsys, tiny, tmp_path, monkeypatch):
     """Interrupted in its second batch and resumed, a sampled run at batch 2 writes what an
     uninterrupted one writes, in the prompts' order (its batches ran shortest prompts first)."""
@@ -202,6 +213,16 @@ def test_record_writer_publishes_records_in_prompt_order(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out.jsonl"]
 
 
+def test_record_writer_compresses_a_gz_output(tmp_path):
+    out = tmp_path / "out.jsonl.gz"
+    w = RecordWriter(out)
+    w.write([{"id": 1, "token_ids": [5]}, {"id": 0, "token_ids": [4, 2]}])
+    w.finish(order=[0, 1])
+    assert gzip.decompress(out.read_bytes()) == b'{"id": 0, "token_ids": [4, 2]}\n{"id": 1, "token_ids": [5]}\n'
+    assert [r["id"] for r in read_records(out)] == [0, 1]
+    assert [p.name for p in tmp_path.iterdir()] == ["out.jsonl.gz"]
+
+
 # -- convert -------------------------------------------------------------------------------------
 
 def test_convert(capsys, tmp_path):
@@ -258,6 +279,13 @@ def test_bad_prompts_file(capsys, tmp_path, lines, phrase):
     (["--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--method", "nope"], "unknown --method 'nope'; choose one of ar"),
     (["--mesh", "data=two"], "write it as data=N,model=M"),
+    (["--mesh", "data=1,data=1"], "each axis at most once"),
+    (["--top-k", "4"], "--top-k and --top-p shape sampling"),
+    (["--threshold", "7"], "--threshold must be in 0..1"),
+    (["--mesh", "data=1", "--coordinator", "localhost:1", "--num-processes", "0", "--process-id", "0"],
+     "--num-processes must be >= 1, got 0"),
+    (["--mesh", "data=1", "--coordinator", "nowhere", "--num-processes", "2", "--process-id", "1"],
+     "--coordinator must be HOST:PORT"),
     (["--max-new-tokens", "many"], "invalid int value"),
     (["--dtype", "float16"], "invalid choice"),
     (["--output", "o.jsonl"], "go with --prompts"),
@@ -275,6 +303,11 @@ def test_usage_errors(capsys, tmp_path):
                      "is the --prompts file")
     assert prompts.read_text() == '{"prompt": "hi"}\n'
     assert_one_error(*run(capsys, "frobnicate"), "invalid choice")
+    # Where the output cannot go is said before any prompt is decoded (the model is not even found).
+    assert_one_error(*run(capsys, "generate", "--prompts", prompts, "--output", prompts / "out.jsonl",
+                          "--model", tmp_path / "missing"), f"cannot write {prompts / 'out.jsonl'}: {prompts} is a file")
+    assert_one_error(*run(capsys, "generate", "--prompts", prompts, "--output", "/proc/out.jsonl",
+                          "--model", tmp_path / "missing"), "cannot write /proc/out.jsonl: ")
 
 
 def test_bad_model(capsys, tmp_path, short):

@@ -238,6 +238,9 @@ def test_bad_requests_are_explained(tiny):
             tiny.generate(ok, temperature=bad)
     with pytest.raises(JspecError, match=f"top-k must be at most the vocabulary size {tiny.cfg.vocab_size}"):
         tiny.generate(ok, temperature=1.0, top_k=tiny.cfg.vocab_size + 1)
+    for cut in (dict(top_k=3), dict(top_p=0.5)):
+        with pytest.raises(JspecError, match="--top-k and --top-p shape sampling"):
+            tiny.generate(ok, **cut)
     for bad in (-1, 2**32):
         with pytest.raises(JspecError, match=r"seed must be in 0\.\.4294967295"):
             tiny.generate(ok, temperature=1.0, seed=bad)

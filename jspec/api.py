@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import time
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -197,7 +198,14 @@ class Model:
         Sampling keys follow the index of each batch's first request, so a resumed run samples
         what the uninterrupted run would have (for the same batch size).
         """
-        if isinstance(method_options.get("draft_model"), str):
+        unknown = sorted(method_options.keys() - inspect.signature(methods.build).parameters.keys() - {"method", "model"})
+        if unknown:
+            raise JspecError(f"unknown option {unknown[0]!r}; generate takes max_new_tokens, batch_size, temperature, "
+                             "top_k, top_p, seed, logprobs, chat and the options of jspec.methods.build")
+        for name, value in (("temperature", temperature), ("top_p", top_p)):
+            if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, bool):
+                raise JspecError(f"{name} must be a number, got {value!r}")
+        if isinstance(method_options.get("draft_model"), str) and method in ("draft", "mjsd"):  # else build refuses it
             method_options["draft_model"] = load(method_options["draft_model"], self._dtype_name())
         plan = methods.build(method, self, **method_options)
         for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size), ("seed", seed),

@@ -167,6 +167,7 @@ def check_generation_args(args: argparse.Namespace) -> None:
             f"--method {args.method} is lossy: its output differs from ar's (docs/methods.md measures the cost)")
     if args.mesh is not None:
         parse_mesh(args.mesh)
+    generation_options(args)  # --skip-layers parses
 
 
 def generation_options(args: argparse.Namespace) -> dict:
@@ -177,6 +178,8 @@ def generation_options(args: argparse.Namespace) -> dict:
             skip = [int(i) for i in args.skip_layers.split(",") if i.strip()]
         except ValueError:
             raise JspecError(f"--skip-layers takes comma-separated layer numbers, got {args.skip_layers!r}")
+        if not skip:
+            raise JspecError("--skip-layers names no layer: the draft would be the whole model")
     method = {"max_draft": args.max_draft, "controller": args.controller, "threshold": args.threshold,
               "thompson_variant": args.thompson_variant, "draft_cost": args.draft_cost,
               "exit_layer": args.exit_layer, "skip_layers": skip, "draft_model": args.draft_model,
@@ -285,7 +288,7 @@ def _generate_file(args: argparse.Namespace) -> int:
     import numpy as np
 
     from jspec import distributed
-    from jspec.jsonl import NoWriter, RecordWriter, read_prompts
+    from jspec.jsonl import NoWriter, RecordWriter, read_prompts, read_records
 
     prompts = read_prompts(args.prompts)
     distributed.check_same("prompts", json.dumps(prompts, sort_keys=True))
@@ -299,6 +302,10 @@ def _generate_file(args: argparse.Namespace) -> int:
         raise JspecError(f"{writer.partial} holds records of ids that {args.prompts} no longer has "
                          f"({', '.join(json.dumps(i) for i in sorted(stale, key=str)[:3])}); "
                          "run without --resume to start over")
+    if writer.complete and {json.dumps(r["id"]) for r in read_records(args.output)} != \
+            {json.dumps(p["id"]) for p in prompts}:
+        raise JspecError(f"{args.output} is complete and holds other prompts than {args.prompts}; "
+                         "run without --resume to redo it, or give another --output")
     done = distributed.from_writer(np.asarray([writer.complete or p["id"] in writer.done_ids for p in prompts]))
     if done.all() and writer.complete:
         print(f"{args.output} is already complete; nothing to do (run without --resume to redo it)",
@@ -376,8 +383,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     if not (math.isfinite(args.tie) and args.tie >= 0):
         raise JspecError(f"--tie must be a number >= 0, got {args.tie}")
-    if args.prompts is None and (args.model is not None or args.mesh is not None or args.no_chat):
-        raise _UsageError("--model, --mesh and --no-chat go with --prompts IN.jsonl")
+    scoring = args.model is not None or args.mesh is not None or args.no_chat or args.dtype != "float32" or \
+        args.tie != compare.TIE
+    if args.prompts is None and scoring:
+        raise _UsageError("--model, --dtype, --mesh, --no-chat and --tie score the differences: they go with "
+                          "--prompts IN.jsonl")
     a, b = read_records(args.a), read_records(args.b)
     prompts = read_prompts(args.prompts) if args.prompts is not None else None
     rows = compare.differences(a, b)
@@ -569,9 +579,12 @@ def cmd_distill(args: argparse.Namespace) -> int:
         if source.name in ("spec_bench.jsonl", "spec_bench.jsonl.gz"):
             raise JspecError("spec_bench is the evaluation set: distill from training prompts")
         prompts += read_prompts(source)
-    if args.count is not None and args.count < 0 + (args.source == "answers" or not args.answers):
+    least = 0 if args.source == "text" and args.answers else 1  # 0: the answers' rows alone
+    if args.count is not None and args.count < least:
         raise JspecError(f"--count must be >= 1 (0 with --source text and --answers: their rows alone), "
                          f"got {args.count}")
+    if args.shard_size is not None and args.shard_size < 1:
+        raise JspecError(f"--shard-size must be >= 1, got {args.shard_size}")
     if args.source == "answers" and args.answers:
         raise JspecError("--answers goes with --source text")
     if args.source == "text" and args.skip:
@@ -648,7 +661,7 @@ def _add_train_head(sub) -> None:
 def cmd_train_head(args: argparse.Namespace) -> int:
     from jspec import heads
     from jspec.convert import store
-    from jspec.training import train
+    from jspec.training import distill, train
 
     recipe = train.Recipe(kind=args.kind, exit_layer=args.exit_layer, head_layers=args.head_layers, steps=args.steps, batch_size=args.batch_size,
                           lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay, b1=args.b1, b2=args.b2,
@@ -658,9 +671,9 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     recipe.check()
     if args.exit_layer is None and args.kind != "eagle":
         raise JspecError(f"--kind {args.kind} needs --exit-layer N")
+    distill.check_distinct(args.data + args.eval_data)
     for folder in args.data + args.eval_data:
-        if not os.path.isfile(os.path.join(folder, "meta.json")):
-            raise JspecError(f"{folder} holds no distillation data (no meta.json); run jspec distill-data first")
+        distill.read_meta(folder)
     if args.init:
         heads.read_meta(args.init)  # before the model loads
     store.check_output(args.out, heads.META)

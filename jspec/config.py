@@ -43,6 +43,13 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
+        try:
+            return cls._from_hf(hf)
+        except KeyError as e:  # a field every supported architecture's config.json has
+            raise JspecError(f"config.json lacks {e.args[0]!r}") from None
+
+    @classmethod
+    def _from_hf(cls, hf: dict) -> "ModelConfig":
         archs = hf.get("architectures") or []
         model_type = hf.get("model_type", "")
         arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)

@@ -168,6 +168,7 @@ def main(args: argparse.Namespace) -> int:
 
     if args.min_count < 1 or not 0 < args.min_share <= 1:
         raise JspecError("--min-count must be >= 1 and --min-share in (0, 1]")
+    distill.check_distinct(args.data)
     folders = [distill.load(folder) for folder in args.data]
     for folder, (meta, _) in zip(args.data, folders):
         if meta.get("source", "answers") != "answers" or meta.get("temperature", 0.0) != 0.0:

@@ -39,6 +39,7 @@ def read_prompts(path) -> list[dict]:
                 raise JspecError(f"{where}: \"prompt\" must be a string")
             if not obj["prompt"].strip():
                 raise JspecError(f"{where}: \"prompt\" is empty")
+            _check_unicode(obj["prompt"], where)
             prompt["prompt"] = obj["prompt"]
         elif "messages" in obj:
             prompt["messages"] = _check_messages(obj["messages"], where)
@@ -114,7 +115,16 @@ def _check_messages(messages: Any, where: str) -> list[dict]:
     for i, m in enumerate(messages):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise JspecError(f"{where}: message {i} must be an object with string \"role\" and \"content\"")
+        _check_unicode(m["content"], where)
     return messages
+
+
+def _check_unicode(text: str, where: str) -> None:
+    """JSON may escape a lone surrogate (\\ud800), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise JspecError(f"{where}: not valid Unicode text ({e.reason} at character {e.start})") from None
 
 
 class RecordWriter:

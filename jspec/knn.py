@@ -40,6 +40,10 @@ class SkipSet:
 
     def mask(self, num_layers: int) -> np.ndarray:
         """[2, L] bool: attention row, MLP row."""
+        if any(not 0 <= i < num_layers for i in self.attention + self.mlp):
+            raise JspecError(f"skip set {self.name} names layers outside 0..{num_layers - 1}")
+        if set(self.attention) == set(self.mlp) == set(range(num_layers)):
+            raise JspecError(f"skip set {self.name} skips every layer: its draft would be no model at all")
         out = np.zeros((2, num_layers), bool)
         out[0, list(self.attention)] = True
         out[1, list(self.mlp)] = True

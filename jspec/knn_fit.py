@@ -116,8 +116,12 @@ def main(args: argparse.Namespace) -> int:
     bare = {n for n in args.no_anchors.split(",") if n}
     if bare - {s.name for s in sets}:
         raise JspecError(f"--no-anchors names no set in {args.sets}: {', '.join(sorted(bare - {s.name for s in sets}))}")
+    if bare == {s.name for s in sets}:
+        raise JspecError("--no-anchors names every set: the nearest-neighbour lookup would have nothing to find")
     store.check_output(args.out, knn.META)
     model = load_model(args)
+    for s in sets:
+        s.mask(model.cfg.num_layers)  # refuses layers the model has not, before any feature is computed
     anchors, owner = [], []
     for d, s in enumerate(tqdm(sets, unit="domain", file=sys.stderr)):
         if s.name in bare:

@@ -168,7 +168,7 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
     if method == "layer-skip":
         skip = default_skip_layers(model) if skip_layers is None else tuple(sorted(set(skip_layers)))
         bad = [i for i in skip if not 0 <= i < cfg.num_layers]
-        if bad or len(skip) >= cfg.num_layers:
+        if bad or not skip or len(skip) >= cfg.num_layers:
             raise JspecError(f"--skip-layers must name some (not all) of layers 0..{cfg.num_layers - 1}")
         return LayerSkip(max_draft=k, skip=skip), (), ctrl
     if method in HEAD_METHODS:
@@ -292,7 +292,11 @@ def _build_specee(model, head: str | None, path: str | None, threshold: float | 
         raise JspecError(f"predictors {path} do not exist")
     stamp = (Path(path) / "predictors.json").stat().st_mtime_ns if (Path(path) / "predictors.json").exists() else None
     pp, meta = _read_predictors(str(Path(path).resolve()), stamp, model.cfg)
-    hp, head_meta = _load_head(meta["head"]["kind"], model, head or str(Path(path) / "head"))
+    kind = meta["head"]["kind"]
+    if head is not None and heads.read_meta(head).get("kind") != kind:
+        raise JspecError(f"the predictors {path} were trained over a {kind} head: give --head one of that kind, "
+                         "or --predictors trained over this one")
+    hp, head_meta = _load_head(kind, model, head or str(Path(path) / "head"))
     n = head_meta["exit_layer"]
     if meta["depths"][0] != n or meta["depths"][-1] != model.cfg.num_layers - 1:
         raise JspecError(f"predictors {path} cover depths {meta['depths'][0]}..{meta['depths'][-1]}, but their "

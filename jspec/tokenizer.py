@@ -56,6 +56,10 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids [T] of `text`; `add_special_tokens` adds what the model wraps text in (BOS for Llama 2)."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate: what undecodable bytes in argv or JSON become
+            raise JspecError(f"the prompt is not valid Unicode text ({e.reason} at character {e.start})") from None
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -144,6 +144,7 @@ def test_resume_refuses_other_settings(capsys, tiny_chat_model, questions, tmp_p
     (["--methods", "early-exit:exit_layer"], "bad option 'exit_layer'"),
     (["--methods", "ar,,ngram"], "empty entry"),
     (["--methods", "ngram,ngram"], "names 'ngram' twice"),
+    (["--methods", "ngram:max_draft=2;max_draft=3"], "method ngram sets max_draft twice"),
     (["--batch-sizes", "1,x"], "bad --batch-sizes"),
     (["--batch-sizes", "0,8"], "bad --batch-sizes"),
     (["--methods", "ar", "--batch-methods", "ngram"], "--batch-methods names ngram"),
@@ -151,6 +152,11 @@ def test_resume_refuses_other_settings(capsys, tiny_chat_model, questions, tmp_p
     (["--repeats", "0"], "--repeats must be >= 1"),
     (["--prompts", "missing.jsonl"], "prompts file missing.jsonl does not exist"),
     (["--methods", "early-exit:exit_layer=9"], "--exit-layer must be between 1 and 3"),
+    (["--hf", "--hf-exit-layer", "2"], "--hf-exit-layer goes with --hf-assisted"),
+    (["--torch-threads", "1"], "--torch-threads goes with --hf"),
+    (["--methods", "ar,ngram", "--batch-methods", "ngram"], "--batch-methods goes with --batch-sizes"),
+    (["--section", "more"], "--section goes with --markdown"),
+    (["--markdown", "."], "--markdown . is a folder"),
 ])
 def test_bad_input_is_one_line(capsys, tiny_chat_model, questions, tmp_path, args, message):
     base = ["--model", tiny_chat_model, "--output", tmp_path / "o.jsonl"]
@@ -186,7 +192,24 @@ def test_parse_methods():
                          ("mjsd:tree=1", "tree takes true or false, got '1'")]:
         with pytest.raises(JspecError, match=phrase):
             bench.parse_methods(text)
-    assert bench.parse_batch_sizes("8,1,8") == [1, 8]
+    assert bench.parse_batch_sizes("8, 1") == [1, 8]
+    for text in ("8,1,8", "", "1,8,"):
+        with pytest.raises(JspecError, match="write distinct positive integers"):
+            bench.parse_batch_sizes(text)
+
+
+def test_markdown_markers_are_checked_before_running(tmp_path):
+    from jspec.bench.report import check_markdown
+
+    page = tmp_path / "page.md"
+    check_markdown(page)  # absent: the report makes it
+    for text in ("x\n<!-- bench:begin -->\nold\n", "<!-- bench:end -->\n<!-- bench:begin -->\n"):
+        page.write_text(text)
+        with pytest.raises(JspecError, match="without the other after it"):
+            check_markdown(page)
+    page.write_text(OUTER)
+    check_markdown(page)
+    check_markdown(page, "other")  # a section not there yet goes at the end
 
 
 def test_prompt_files(tmp_path):

@@ -78,6 +78,11 @@ PROMPTS = [{"prompt": "Name three primes."},
 
 # -- generate ----------------------------------------------------------------------------------
 
+def test_undecodable_prompt_is_one_line(capsys, tiny):
+    """Bytes that are not UTF-8 reach Python's argv as lone surrogates, which no tokenizer encodes."""
+    assert_one_error(*run(capsys, "generate", "\udcff\udcfe", "--model", tiny, *GEN), "not valid Unicode text")
+
+
 def test_generate_one_prompt(capsys, tiny):
     code, out, err = run(capsys, "generate", "Name three primes.", "--model", tiny, *GEN)
     assert code == 0, err
@@ -126,6 +131,9 @@ def test_resume_keeps_finished_records(capsys, tiny, tmp_path):
     # Complete already: --resume has nothing to do; without it a stale partial file is discarded.
     code, _, err = run(capsys, "generate", "--prompts", prompts, "--output", out, "--model", tiny, "--resume", *GEN)
     assert code == 0 and "nothing to do" in err and read_jsonl(out)[0] == first
+    more = write_lines(tmp_path / "more.jsonl", *PROMPTS, {"prompt": "One more."})
+    assert_one_error(*run(capsys, "generate", "--prompts", more, "--output", out, "--model", tiny, "--resume", *GEN),
+                     "is complete and holds other prompts than")
     out.with_name("out.jsonl.partial").write_text(json.dumps(first) + "\n")
     assert run(capsys, "generate", "--prompts", prompts, "--output", out, "--model", tiny, *GEN)[0] == 0
     assert [untimed(r) for r in read_jsonl(out)] == [untimed(r) for r in reference]
@@ -258,6 +266,8 @@ def assert_one_error(code: int, out: str, err: str, phrase: str) -> None:
     ([{"id": "a", "prompt": "x"}, "", {"id": "a", "prompt": "y"}], "line 3: duplicate id \"a\""),
     ([{"messages": "hi"}], "line 1: \"messages\" must be"),
     ([{"token_ids": [1, -2]}], "line 1: \"token_ids\" must be"),
+    (['{"prompt": "\\ud800 hi"}'], "line 1: not valid Unicode text (surrogates not allowed at character 0)"),
+    ([{"messages": [{"role": "user", "content": "\ud800"}]}], "line 1: not valid Unicode text"),
 ])
 def test_bad_prompts_file(capsys, tmp_path, lines, phrase):
     path = tmp_path / "in.jsonl"

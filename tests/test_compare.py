@@ -116,6 +116,8 @@ def test_cli_scores_the_prompts_as_generate_encoded_them(capsys, tiny, tmp_path)
     ([{"id": 0, "token_ids": [1]}, {"id": 0, "token_ids": [2]}], [], "line 2: duplicate id 0"),
     ([{"id": 0, "token_ids": [1]}], ["--tie", "-1"], "--tie must be a number >= 0"),
     ([{"id": 0, "token_ids": [1]}], ["--no-chat"], "go with --prompts"),
+    ([{"id": 0, "token_ids": [1]}], ["--tie", "3"], "go with --prompts"),
+    ([{"id": 0, "token_ids": [1]}], ["--dtype", "bfloat16"], "go with --prompts"),
 ])
 def test_cli_bad_input(capsys, tmp_path, lines, args, phrase):
     a = write_lines(tmp_path / "a.jsonl", *records([1]))

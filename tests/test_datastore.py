@@ -143,7 +143,8 @@ def test_cli_builds_and_refuses(tiny_llama, tmp_path, capsys):
         (["--data", str(tmp_path / "text")], "not greedy answers"),
         (["--data", str(tmp_path / "sampled")], "not greedy answers"),
         (["--data", str(tmp_path / "other")], "answers of another-model"),
-        (["--data", str(tmp_path / "none")], "no distillation data"),
+        (["--data", str(tmp_path / "none")], "none does not exist"),
+        (["--data", str(tmp_path)], "no distillation data"),
         (["--data", str(tmp_path / "answers"), "--min-count", "9"], "nothing to save"),
         (["--data", str(tmp_path / "answers"), "--min-share", "0"], "--min-share"),
     ]:

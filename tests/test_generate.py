@@ -238,6 +238,11 @@ def test_bad_requests_are_explained(tiny):
             tiny.generate(ok, temperature=bad)
     with pytest.raises(JspecError, match=f"top-k must be at most the vocabulary size {tiny.cfg.vocab_size}"):
         tiny.generate(ok, temperature=1.0, top_k=tiny.cfg.vocab_size + 1)
+    with pytest.raises(JspecError, match="unknown option 'max_new_token'; generate takes max_new_tokens"):
+        tiny.generate(ok, max_new_token=4)
+    for name in ("temperature", "top_p"):
+        with pytest.raises(JspecError, match=f"{name} must be a number, got '0.5'"):
+            tiny.generate(ok, **{name: "0.5"})
     for cut in (dict(top_k=3), dict(top_p=0.5)):
         with pytest.raises(JspecError, match="--top-k and --top-p shape sampling"):
             tiny.generate(ok, **cut)

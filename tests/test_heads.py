@@ -402,17 +402,30 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     bench.write_text('{"prompt": "x"}\n')
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "meta.json").write_text("{}")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "meta.json").write_text("{")
     for argv, message in [
         (["distill-data", "--prompts", str(bench), "--out", str(tmp_path / "d")], "evaluation set"),
         (["distill-data", "--prompts", "all", "spec_bench", "--out", str(tmp_path / "d")], "evaluation set"),
         (["distill-data", "--answers", str(tmp_path), "--out", str(tmp_path / "d")], "--answers goes with --source text"),
         (["distill-data", "--count", "0", "--out", str(tmp_path / "d")], "--count must be >= 1"),
+        (["distill-data", "--shard-size", "0", "--out", str(tmp_path / "d")], "--shard-size must be >= 1, got 0"),
         (["distill-data", "--temperature", "nan", "--out", str(tmp_path / "d"), "--model", "/no/such/model"],
          r"--temperature must be 0 \(greedy\)"),
         (["train-head", "--kind", "eesd", "--exit-layer", "4", "--data", "d", "--out", "h", "--lr", "nan"],
          "--lr and --clip must be > 0"),
+        (["train-head", "--kind", "eesd", "--exit-layer", "4", "--data", "d", "--out", "h", "--weight-decay", "-1"],
+         "--weight-decay and --eval-every >= 0"),
         (["train-head", "--kind", "eesd", "--exit-layer", "4", "--data", str(tmp_path / "none"),
+          "--out", str(tmp_path / "h"), "--model", "/no/such/model"], "data folder .*none does not exist"),
+        (["train-head", "--kind", "eesd", "--exit-layer", "4", "--data", str(tmp_path),
           "--out", str(tmp_path / "h"), "--model", "/no/such/model"], "holds no distillation data"),
+        (["train-head", "--kind", "eesd", "--exit-layer", "4", "--data", str(tmp_path / "bad"),
+          "--out", str(tmp_path / "h"), "--model", "/no/such/model"], r"bad/meta.json is not valid"),
+        (["train-head", "--kind", "eesd", "--exit-layer", "4", "--data", str(tmp_path / "data"),
+          "--eval-data", str(tmp_path / "data") + "/", "--out", "h"], "data folder .*data/ is given twice"),
+        (["build-datastore", "--data", str(tmp_path / "data"), str(tmp_path / "data"), "--out", "ds"],
+         "is given twice"),
         (["train-head", "--kind", "medusa", "--exit-layer", "4", "--data", "d", "--out", "h"], "invalid choice"),
         (["train-head", "--kind", "kangaroo", "--data", "d", "--out", "h"], "--kind kangaroo needs --exit-layer N"),
         (["train-head", "--kind", "eesd", "--exit-layer", "4", "--data", "d", "--out", "h", "--steps", "0"],

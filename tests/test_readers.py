@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
+from jspec.convert import store
 from jspec.convert.gguf import read_gguf, write_gguf
 from jspec.convert.hf import read_hf, resolve_hf_dir
 from jspec.errors import JspecError
@@ -204,6 +205,25 @@ def test_directory_without_config_or_weights(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(JspecError, match="has no weight files"):
         read_hf(str(tmp_path))
+
+
+def test_broken_config_or_weights_are_one_line(tmp_path):
+    from jspec.config import ModelConfig
+
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(JspecError, match="config.json is not valid JSON"):
+        read_hf(str(tmp_path))
+    with pytest.raises(JspecError, match="^config.json lacks 'num_attention_heads'$"):
+        ModelConfig.from_hf({"model_type": "llama"})
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "model.safetensors").write_text("garbage")  # its first 8 bytes read as a huge header length
+    with pytest.raises(JspecError, match="model.safetensors is not a valid safetensors file"):
+        read_hf(str(tmp_path))
+
+
+def test_converting_a_converted_folder_is_refused(tiny_llama, tmp_path):
+    with pytest.raises(JspecError, match="is a converted jspec folder already"):
+        store.convert(str(tiny_llama.path), tmp_path / "again")
 
 
 def test_unsupported_gguf_architecture(tmp_path):

@@ -89,6 +89,20 @@ def test_params_round_trip():
     back = skip_search.to_set("x", params, 3)
     assert (back.attention, back.mlp) == (s.attention, s.mlp)
     assert s.mask(3).tolist() == [[True, False, True], [False, True, False]]
+    with pytest.raises(JspecError, match="skip set x names layers outside 0..1"):
+        s.mask(2)
+    with pytest.raises(JspecError, match="skip set all skips every layer"):
+        knn.SkipSet("all", (0, 1), (1, 0)).mask(2)
+
+
+def test_fit_knn_refuses_a_set_of_other_layers(capsys, tmp_path, tiny_llama):
+    from jspec.cli import main
+
+    (tmp_path / "qa.json").write_text(json.dumps(knn.SkipSet("qa", (1, 99), ()).to_json()))
+    assert main(["fit-knn", "--sets", str(tmp_path), "--out", str(tmp_path / "k"), "--model", str(tiny_llama.path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"jspec: error: skip set qa names layers outside 0..{tiny_llama.cfg.num_layers - 1}"
+    assert not (tmp_path / "k").exists()
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -98,6 +112,8 @@ def test_params_round_trip():
     (["fit-knn", "--sets", ".", "--out", "o"], "holds no skip sets"),
     (["fit-knn", "--sets", "sets", "--out", "o", "--centres", "0"], "--count and --centres must be >= 1"),
     (["fit-knn", "--sets", "sets", "--out", "o"], "sets/x.json is not a skip set"),
+    (["fit-knn", "--sets", "sets", "--out", "o", "--no-anchors", "y"], "--no-anchors names every set"),
+    (["generate", "hi", "--method", "layer-skip", "--skip-layers", ",", "--model", "missing"], "--skip-layers names no layer"),
     (["search-skip", "--prompts", "domains/qa", "--out", "sets"], "must name a .json file"),
     (["search-skip", "--prompts", "domains/qa", "--out", "sets/x.json"], "sets/x.json is not a skip set"),
 ])
@@ -107,6 +123,8 @@ def test_cli_errors_are_one_line(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "sets").mkdir()
     (tmp_path / "sets" / "x.json").write_text('{"attention": [1]}')
+    if "--no-anchors" in argv:
+        (tmp_path / "sets" / "x.json").write_text(json.dumps(knn.SkipSet("y", (1,), ()).to_json()))
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("jspec: error:") and message in err and len(err.splitlines()) == 1

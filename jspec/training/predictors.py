@@ -244,7 +244,7 @@ def make(model, prompts: list[dict], out, *, head: str | None = None, count: int
     from jspec.training.distill import choose
 
     if min(count, max_new_tokens, epochs, batch_size) < 1:
-        raise JspecError("count, max-new-tokens, epochs and batch-size must all be >= 1")
+        raise JspecError("--count, --max-new-tokens, --epochs and --batch-size must all be >= 1")
     head = head or methods.shipped(model, "kangaroo")
     if head is None:
         raise JspecError("train-predictors needs --head PATH (a Kangaroo or EESD head): heads ship only for "

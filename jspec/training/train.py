@@ -84,8 +84,10 @@ class Recipe:
         if not 0 < self.eval_fraction < 1:
             raise JspecError("--eval-fraction must be between 0 and 1")
         positive = all(0 < x < math.inf for x in (self.lr, self.clip))  # NaN fails too
-        if not positive or min(self.warmup, self.draft_vocab, self.ce_weight, self.eval_every) < 0:
-            raise JspecError("--lr and --clip must be > 0; --warmup, --draft-vocab, --ce-weight and --eval-every >= 0")
+        counts = min(self.warmup, self.draft_vocab, self.eval_every) >= 0
+        if not (positive and counts and 0 <= self.ce_weight < math.inf and 0 <= self.weight_decay < math.inf):
+            raise JspecError("--lr and --clip must be > 0; --warmup, --draft-vocab, --ce-weight, --weight-decay "
+                             "and --eval-every >= 0")
         if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1):
             raise JspecError("--b1 and --b2 must be in [0, 1)")
 

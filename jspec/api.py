@@ -176,7 +176,10 @@ class Model:
         """Records (id, text, token_ids, new_tokens, seconds, tokens_per_second, stats) in prompt order."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        requests = self.requests(prompts, options.pop("chat", True))
+        chat = options.pop("chat", True)
+        if not isinstance(chat, bool):
+            raise JspecError(f"chat must be True or False, got {chat!r}")
+        requests = self.requests(prompts, chat)
         records = self.stream(requests, method, **options)
         ran = [r for batch in batches(requests, options.get("batch_size", 1)) for r in batch]
         by_index = {r.index: record for r, record in zip(ran, records)}
@@ -198,7 +201,8 @@ class Model:
         Sampling keys follow the index of each batch's first request, so a resumed run samples
         what the uninterrupted run would have (for the same batch size).
         """
-        unknown = sorted(method_options.keys() - inspect.signature(methods.build).parameters.keys() - {"method", "model"})
+        takes = inspect.signature(methods.build).parameters.keys() - {"method", "model"}
+        unknown = sorted(method_options.keys() - takes)
         if unknown:
             raise JspecError(f"unknown option {unknown[0]!r}; generate takes max_new_tokens, batch_size, temperature, "
                              "top_k, top_p, seed, logprobs, chat and the options of jspec.methods.build")

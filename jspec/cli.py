@@ -523,6 +523,14 @@ def _cached(path) -> str:
 
 # -- distill-data, train-head -------------------------------------------------------------------
 
+# The options of one --source only, and their defaults (None on the command line tells whether one
+# was given, so that the other source refuses it rather than ignore it).
+DISTILL_SOURCE_OPTIONS = {
+    "answers": {"skip": 0, "max_prompt_tokens": 256, "max_new_tokens": 128, "temperature": 0.0, "batch_size": 32},
+    "text": {"max_tokens": 256, "batch_tokens": 2048},
+}
+
+
 def _add_distill(sub) -> None:
     p = sub.add_parser(
         "distill-data", help="record the model's distributions (over its own answers or existing text) for heads",
@@ -542,22 +550,23 @@ def _add_distill(sub) -> None:
     p.add_argument("--count", type=int, metavar="N",
                    help="prompts to use, a seeded choice; answers: a larger N extends a folder; text: 0 keeps only "
                         "the --answers rows (default: 512 answers; all the text)")
-    p.add_argument("--skip", type=int, default=0, metavar="N",
+    answers, text = DISTILL_SOURCE_OPTIONS["answers"], DISTILL_SOURCE_OPTIONS["text"]
+    p.add_argument("--skip", type=int, metavar="N",
                    help="answers: leave out the first N prompts of the seeded choice, which another folder or "
-                        "machine answers (--count N there); the two folders train as one (default: %(default)s)")
-    p.add_argument("--max-prompt-tokens", type=int, default=256, metavar="N",
-                   help="answers: leave out longer prompts (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
-                   help="answers: answer length at most (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
-                   help="answers: 0 for greedy answers, > 0 to sample them (default: %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=256, metavar="N",
-                   help="text: cut each sequence to N tokens (default: %(default)s)")
-    p.add_argument("--batch-tokens", type=int, default=2048, metavar="N",
-                   help="text: tokens per forward, padding included (default: %(default)s)")
+                        f"machine answers (--count N there); the two folders train as one (default: {answers['skip']})")
+    p.add_argument("--max-prompt-tokens", type=int, metavar="N",
+                   help=f"answers: leave out longer prompts (default: {answers['max_prompt_tokens']})")
+    p.add_argument("--max-new-tokens", type=int, metavar="N",
+                   help=f"answers: answer length at most (default: {answers['max_new_tokens']})")
+    p.add_argument("--temperature", type=float, metavar="T",
+                   help=f"answers: 0 for greedy answers, > 0 to sample them (default: {answers['temperature']})")
+    p.add_argument("--max-tokens", type=int, metavar="N",
+                   help=f"text: cut each sequence to N tokens (default: {text['max_tokens']})")
+    p.add_argument("--batch-tokens", type=int, metavar="N",
+                   help=f"text: tokens per forward, padding included (default: {text['batch_tokens']})")
     p.add_argument("--top-k", type=int, default=32, metavar="K",
                    help="teacher log-probabilities kept per position (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=32, metavar="N", help="answers (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, metavar="N", help=f"answers (default: {answers['batch_size']})")
     p.add_argument("--shard-size", type=int, metavar="N",
                    help="sequences per shard (default: 64 answers, 256 text)")
     p.add_argument("--seed", type=int, default=0, help="prompt choice and sampling seed (default: %(default)s)")
@@ -587,8 +596,12 @@ def cmd_distill(args: argparse.Namespace) -> int:
         raise JspecError(f"--shard-size must be >= 1, got {args.shard_size}")
     if args.source == "answers" and args.answers:
         raise JspecError("--answers goes with --source text")
-    if args.source == "text" and args.skip:
-        raise JspecError("--skip goes with --source answers (--count samples the text)")
+    for source, options in DISTILL_SOURCE_OPTIONS.items():
+        for name, default in options.items():
+            if getattr(args, name) is None:
+                setattr(args, name, default)
+            elif source != args.source:
+                raise JspecError(f"--{name.replace('_', '-')} goes with --source {source}")
     Sampling(args.temperature)  # before the model loads
     model = load_model(args)
     if args.source == "answers":

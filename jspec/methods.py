@@ -149,7 +149,7 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
     if head is not None and method not in HEAD_METHODS + ("mjsd", "specee"):
         raise JspecError(f"--head goes with --method {', '.join(HEAD_METHODS)}, mjsd or specee")
     if method != "specee" and (exit_threshold, predictors, exit_choice, exit_kv) != (None,) * 4:
-        raise JspecError("--exit-threshold and --predictors go with --method specee")
+        raise JspecError("--exit-threshold, --predictors, exit_choice and exit_kv go with --method specee")
     if method == "mjsd":
         if controller not in (None, "fixed"):
             raise JspecError("--method mjsd always drafts --max-draft tokens: it takes no --controller")
@@ -294,8 +294,8 @@ def _build_specee(model, head: str | None, path: str | None, threshold: float | 
     pp, meta = _read_predictors(str(Path(path).resolve()), stamp, model.cfg)
     kind = meta["head"]["kind"]
     if head is not None and heads.read_meta(head).get("kind") != kind:
-        raise JspecError(f"the predictors {path} were trained over a {kind} head: give --head one of that kind, "
-                         "or --predictors trained over this one")
+        raise JspecError(f"the predictors {path} were trained over a head of kind {kind}: give --head one of "
+                         "that kind, or --predictors trained over this one")
     hp, head_meta = _load_head(kind, model, head or str(Path(path) / "head"))
     n = head_meta["exit_layer"]
     if meta["depths"][0] != n or meta["depths"][-1] != model.cfg.num_layers - 1:
@@ -341,7 +341,7 @@ def _load_head(method: str, model, head: str | None):
     stamp = (Path(path) / "head.json").stat().st_mtime_ns if (Path(path) / "head.json").exists() else None
     hp, meta = _read_head(str(Path(path).resolve()), stamp, model.cfg, model.mesh)
     if meta["kind"] != method:
-        raise JspecError(f"head {path} is a {meta['kind']} head, not a {method} head")
+        raise JspecError(f"head {path} is of kind {meta['kind']}, not {method}")
     return hp, meta
 
 

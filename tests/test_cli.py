@@ -143,7 +143,7 @@ def test_resume_refuses_records_the_prompts_no_longer_have(capsys, tiny, tmp_pat
     prompts = write_lines(tmp_path / "in.jsonl", *PROMPTS)
     out = tmp_path / "out.jsonl"
     partial = out.with_name("out.jsonl.partial")
-    partial.write_text(json.dumps({"id": "gone", "token_ids": [1]}) + "\n" + json.dumps({"id": 0, "token_ids": [1]}) + "\n")
+    partial.write_text("".join(json.dumps({"id": i, "token_ids": [1]}) + "\n" for i in ("gone", 0)))
     assert_one_error(*run(capsys, "generate", "--prompts", prompts, "--output", out, "--model", tiny, "--resume", *GEN),
                      'no longer has ("gone")')
     assert len(read_jsonl(partial)) == 2 and not out.exists()
@@ -314,8 +314,9 @@ def test_usage_errors(capsys, tmp_path):
     assert prompts.read_text() == '{"prompt": "hi"}\n'
     assert_one_error(*run(capsys, "frobnicate"), "invalid choice")
     # Where the output cannot go is said before any prompt is decoded (the model is not even found).
-    assert_one_error(*run(capsys, "generate", "--prompts", prompts, "--output", prompts / "out.jsonl",
-                          "--model", tmp_path / "missing"), f"cannot write {prompts / 'out.jsonl'}: {prompts} is a file")
+    inside = prompts / "out.jsonl"
+    assert_one_error(*run(capsys, "generate", "--prompts", prompts, "--output", inside, "--model", tmp_path / "missing"),
+                     f"cannot write {inside}: {prompts} is a file")
     assert_one_error(*run(capsys, "generate", "--prompts", prompts, "--output", "/proc/out.jsonl",
                           "--model", tmp_path / "missing"), "cannot write /proc/out.jsonl: ")
 

@@ -240,6 +240,8 @@ def test_bad_requests_are_explained(tiny):
         tiny.generate(ok, temperature=1.0, top_k=tiny.cfg.vocab_size + 1)
     with pytest.raises(JspecError, match="unknown option 'max_new_token'; generate takes max_new_tokens"):
         tiny.generate(ok, max_new_token=4)
+    with pytest.raises(JspecError, match="chat must be True or False, got 'no'"):
+        tiny.generate(ok, chat="no")
     for name in ("temperature", "top_p"):
         with pytest.raises(JspecError, match=f"{name} must be a number, got '0.5'"):
             tiny.generate(ok, **{name: "0.5"})

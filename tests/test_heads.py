@@ -389,7 +389,7 @@ def test_head_for_another_model_is_refused(lm, make_tiny, tmp_path):
     with pytest.raises(JspecError, match=f"format 99; this jspec reads formats 2 and {heads.FORMAT}"):
         lm.generate([{"token_ids": [5, 6, 7]}], method="kangaroo", head=str(path), max_new_tokens=2)
     (path / "head.json").write_text(json.dumps(meta))
-    with pytest.raises(JspecError, match="kangaroo head, not a eesd head"):
+    with pytest.raises(JspecError, match="is of kind kangaroo, not eesd"):
         lm.generate([{"token_ids": [5, 6, 7]}], method="eesd", head=str(path), max_new_tokens=2)
     with pytest.raises(JspecError, match="needs --head"):
         lm.generate([{"token_ids": [5, 6, 7]}], method="eesd", max_new_tokens=2)
@@ -410,6 +410,9 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         (["distill-data", "--answers", str(tmp_path), "--out", str(tmp_path / "d")], "--answers goes with --source text"),
         (["distill-data", "--count", "0", "--out", str(tmp_path / "d")], "--count must be >= 1"),
         (["distill-data", "--shard-size", "0", "--out", str(tmp_path / "d")], "--shard-size must be >= 1, got 0"),
+        (["distill-data", "--max-tokens", "64", "--out", str(tmp_path / "d")], "--max-tokens goes with --source text"),
+        (["distill-data", "--source", "text", "--batch-size", "8", "--out", str(tmp_path / "d")],
+         "--batch-size goes with --source answers"),
         (["distill-data", "--temperature", "nan", "--out", str(tmp_path / "d"), "--model", "/no/such/model"],
          r"--temperature must be 0 \(greedy\)"),
         (["train-head", "--kind", "eesd", "--exit-layer", "4", "--data", "d", "--out", "h", "--lr", "nan"],

@@ -99,10 +99,11 @@ def test_fit_knn_refuses_a_set_of_other_layers(capsys, tmp_path, tiny_llama):
     from jspec.cli import main
 
     (tmp_path / "qa.json").write_text(json.dumps(knn.SkipSet("qa", (1, 99), ()).to_json()))
-    assert main(["fit-knn", "--sets", str(tmp_path), "--out", str(tmp_path / "k"), "--model", str(tiny_llama.path)]) == 2
+    out = tmp_path / "k"
+    assert main(["fit-knn", "--sets", str(tmp_path), "--out", str(out), "--model", str(tiny_llama.path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"jspec: error: skip set qa names layers outside 0..{tiny_llama.cfg.num_layers - 1}"
-    assert not (tmp_path / "k").exists()
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -113,7 +114,8 @@ def test_fit_knn_refuses_a_set_of_other_layers(capsys, tmp_path, tiny_llama):
     (["fit-knn", "--sets", "sets", "--out", "o", "--centres", "0"], "--count and --centres must be >= 1"),
     (["fit-knn", "--sets", "sets", "--out", "o"], "sets/x.json is not a skip set"),
     (["fit-knn", "--sets", "sets", "--out", "o", "--no-anchors", "y"], "--no-anchors names every set"),
-    (["generate", "hi", "--method", "layer-skip", "--skip-layers", ",", "--model", "missing"], "--skip-layers names no layer"),
+    (["generate", "hi", "--method", "layer-skip", "--skip-layers", ",", "--model", "missing"],
+     "--skip-layers names no layer"),
     (["search-skip", "--prompts", "domains/qa", "--out", "sets"], "must name a .json file"),
     (["search-skip", "--prompts", "domains/qa", "--out", "sets/x.json"], "sets/x.json is not a skip set"),
 ])

@@ -229,9 +229,10 @@ def test_options_checked(setup):
     with pytest.raises(JspecError, match="not a set of SpecEE predictors"):
         model.generate(PROMPTS[:1], method="specee", head=head, predictors=head)
     cfg = model.cfg
-    eesd = heads.save(Path(head).parent / "eesd-head", heads.init(model.params, cfg, "eesd", EXIT, np.arange(8, dtype=np.int32)),
+    params = heads.init(model.params, cfg, "eesd", EXIT, np.arange(8, dtype=np.int32))
+    eesd = heads.save(Path(head).parent / "eesd-head", params,
                       {"kind": "eesd", "exit_layer": EXIT, "model": heads.fingerprint(cfg)})
-    with pytest.raises(JspecError, match="were trained over a kangaroo head: give --head one of that kind"):
+    with pytest.raises(JspecError, match="were trained over a head of kind kangaroo: give --head one of that kind"):
         model.generate(PROMPTS[:1], method="specee", head=str(eesd), predictors=pred)
 
 

@@ -189,7 +189,7 @@ def train(model, head_path: str, head_kind: str, sequences, *, epochs: int, seed
     """(predictor params, meta for predictors.save) from (prompt ids, answer ids) pairs."""
     hp, head_meta = heads.load(head_path, model.cfg, model.mesh)
     if head_meta["kind"] != head_kind:
-        raise JspecError(f"head {head_path} is a {head_meta['kind']} head, not a {head_kind} head")
+        raise JspecError(f"head {head_path} is of kind {head_meta['kind']}, not {head_kind}")
     n, num_layers = head_meta["exit_layer"], model.cfg.num_layers
     depths = list(range(n, num_layers))
     t0 = time.perf_counter()

@@ -452,8 +452,8 @@ def start_head(lm, recipe: Recipe) -> tuple[dict, dict]:
     hp, meta = heads.load(recipe.init, lm.cfg, lm.mesh)
     have = (meta["kind"], meta["exit_layer"], len(hp["layers"]))
     if have[:2] != (recipe.kind, recipe.exit_layer) or have[2] > recipe.head_layers:
-        raise JspecError(f"--init {recipe.init} is a {have[0]} head at exit layer {have[1]} with {have[2]} layer(s); "
-                         f"ask for the same --kind and --exit-layer, and at least its --head-layers")
+        raise JspecError(f"--init {recipe.init} is a head of kind {have[0]} at exit layer {have[1]} with {have[2]} "
+                         "layer(s); ask for the same --kind and --exit-layer, and at least its --head-layers")
     return heads.grow(lm.params, lm.cfg, recipe.kind, recipe.exit_layer, hp, recipe.head_layers), meta.get("training", {})
 
 

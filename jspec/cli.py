@@ -167,7 +167,7 @@ def check_generation_args(args: argparse.Namespace) -> None:
             f"--method {args.method} is lossy: its output differs from ar's (docs/methods.md measures the cost)")
     if args.mesh is not None:
         parse_mesh(args.mesh)
-    generation_options(args)  # --skip-layers parses
+    generation_options(args)  # parses --skip-layers now, before the model loads
 
 
 def generation_options(args: argparse.Namespace) -> dict:
@@ -297,13 +297,13 @@ def _generate_file(args: argparse.Namespace) -> int:
     settings = {"model": args.model, "dtype": args.dtype, "method": args.method, "chat": not args.no_chat, **options}
     writer = (RecordWriter(args.output, resume=args.resume, settings=settings) if distributed.is_writer()
               else NoWriter(args.output))
-    stale = writer.done_ids - {p["id"] for p in prompts}
+    ids = {p["id"] for p in prompts}
+    stale = writer.done_ids - ids
     if stale:
         raise JspecError(f"{writer.partial} holds records of ids that {args.prompts} no longer has "
                          f"({', '.join(json.dumps(i) for i in sorted(stale, key=str)[:3])}); "
                          "run without --resume to start over")
-    if writer.complete and {json.dumps(r["id"]) for r in read_records(args.output)} != \
-            {json.dumps(p["id"]) for p in prompts}:
+    if writer.complete and {r["id"] for r in read_records(args.output)} != ids:
         raise JspecError(f"{args.output} is complete and holds other prompts than {args.prompts}; "
                          "run without --resume to redo it, or give another --output")
     done = distributed.from_writer(np.asarray([writer.complete or p["id"] in writer.done_ids for p in prompts]))

@@ -146,7 +146,7 @@ def check_generation_args(args: argparse.Namespace) -> None:
     """Cheap checks of the generation options, before any model is loaded."""
     from jspec.api import METHODS
     from jspec.controllers import check_ranges
-    from jspec.methods import LOSSY
+    from jspec.methods import LOSSY, TAKES, check_belongs
     from jspec.sampling import Sampling
     from jspec.sharding import parse_mesh
 
@@ -158,8 +158,6 @@ def check_generation_args(args: argparse.Namespace) -> None:
         raise JspecError(f"--batch-size must be >= 1, got {args.batch_size}")
     Sampling(args.temperature, args.top_k, args.top_p)  # raises a JspecError naming the option
     check_ranges(threshold=args.threshold, cost=args.draft_cost)
-    if (args.knn is not None or args.domain is not None) and args.method != "knn-ssd":
-        raise JspecError("--knn and --domain go with --method knn-ssd")
     if args.exit_threshold is not None and not (math.isfinite(args.exit_threshold) and args.exit_threshold >= 0):
         raise JspecError(f"--exit-threshold must be a number >= 0 (above 1: never exit), got {args.exit_threshold}")
     if args.method in LOSSY:
@@ -167,7 +165,8 @@ def check_generation_args(args: argparse.Namespace) -> None:
             f"--method {args.method} is lossy: its output differs from ar's (docs/methods.md measures the cost)")
     if args.mesh is not None:
         parse_mesh(args.mesh)
-    generation_options(args)  # parses --skip-layers now, before the model loads
+    options = generation_options(args)  # parses --skip-layers now, before the model loads
+    check_belongs(args.method, {k: v for k, v in options.items() if k in TAKES})
 
 
 def generation_options(args: argparse.Namespace) -> dict:

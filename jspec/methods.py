@@ -53,6 +53,18 @@ LOOKUP_MAX_DRAFT = 4
 CANDIDATE_METHODS = ("eagle", "early-exit", "eesd", "kangaroo")
 MAX_CANDIDATES = 16
 SPECEE_CHOICES = specee.CHOICES
+_DRAFTING = tuple(m for m in METHODS if m != "ar")
+# Which methods take each of build's options: any other is refused, so that no run silently
+# measures something other than what it names (jspec bench lists a method's options from here).
+TAKES = {"max_draft": _DRAFTING, "controller": _DRAFTING, "threshold": _DRAFTING, "thompson_variant": _DRAFTING,
+         "draft_cost": _DRAFTING, "exit_layer": ("early-exit", "mjsd") + HEAD_METHODS,
+         "skip_layers": ("layer-skip",), "draft_model": ("draft", "mjsd"), "head": HEAD_METHODS + ("mjsd", "specee"),
+         "beam_width": ("mjsd",), "accept_threshold": ("mjsd",), "tree": ("mjsd",),
+         "exit_threshold": ("specee",), "predictors": ("specee",), "exit_choice": ("specee",),
+         "exit_kv": ("specee",), "knn": ("knn-ssd",), "domain": ("knn-ssd",),
+         "lookup": ("ngram",) + LOOKUP_METHODS, "lookup_draft": ("ngram",) + LOOKUP_METHODS,
+         "datastore": ("ngram",) + LOOKUP_METHODS, "candidates": CANDIDATE_METHODS}
+API_ONLY = ("exit_choice", "exit_kv")  # options the command line has no flag for
 # The reference's 0.5 lets SmolLM2-135M's predictors (held-out precision 0.57-0.70 below depth 21)
 # exit on tokens the full model would not write: output NLL 3.5x ar's. 0.9 costs +14-15% in every
 # run; 0.95 +4.1-4.4% alone and -1.0 to -2.3% behind --lookup 2 (docs/benchmarks.md, "SpecEE"),
@@ -117,6 +129,9 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
           lookup: int | None = None, lookup_draft: int | None = None, datastore: str | None = None,
           candidates: int | None = None):
     """(drafter, drafter params, controller) for `method` on `model` (a jspec.api.Model)."""
+    if method not in METHODS:
+        raise JspecError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    check_belongs(method, {k: v for k, v in locals().items() if k in TAKES})
     if lookup_draft is not None and lookup is None and method != "ngram":
         raise JspecError("--lookup-draft goes with --lookup N")
     if method == "ngram" and lookup_draft is None:  # n-gram drafting is lookup: --lookup is its shortest repeat
@@ -125,18 +140,12 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
         options = {k: v for k, v in locals().items()
                    if k not in ("method", "model", "lookup", "lookup_draft", "datastore")}
         drafter, dparams, ctrl = build(method, model, **options)
-        lookup_first = _lookup_first(method, drafter, lookup, lookup_draft)
+        lookup_first = _lookup_first(drafter, lookup, lookup_draft)
         return lookup_first, {"inner": dparams, "table": _load_datastore(model, datastore)}, ctrl
     if datastore is not None and method != "ngram":
         raise JspecError("--datastore goes with --method ngram or with --lookup")
-    if method not in METHODS:
-        raise JspecError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-    _check_belongs(method, max_draft=max_draft, controller=controller, exit_layer=exit_layer,
-                   skip_layers=skip_layers, draft_model=draft_model)
-    if method != "mjsd" and (beam_width is not None or accept_threshold is not None or tree is not None):
-        raise JspecError("--beam-width, --accept-threshold and --tree go with --method mjsd")
     if candidates is not None:
-        _check_candidates(method, candidates, max_draft, controller)
+        _check_candidates(candidates, max_draft, controller)
         max_draft = candidates
     cfg = model.cfg
     k = default_max_draft(method) if max_draft is None else max_draft
@@ -146,10 +155,6 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
         threshold = KNN_THRESHOLD
     ctrl = make_controller(controller or DEFAULT_CONTROLLER[method], threshold=threshold,
                            variant=thompson_variant, cost=draft_cost)
-    if head is not None and method not in HEAD_METHODS + ("mjsd", "specee"):
-        raise JspecError(f"--head goes with --method {', '.join(HEAD_METHODS)}, mjsd or specee")
-    if method != "specee" and (exit_threshold, predictors, exit_choice, exit_kv) != (None,) * 4:
-        raise JspecError("--exit-threshold, --predictors, exit_choice and exit_kv go with --method specee")
     if method == "mjsd":
         if controller not in (None, "fixed"):
             raise JspecError("--method mjsd always drafts --max-draft tokens: it takes no --controller")
@@ -160,8 +165,6 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
         return NoDraft(), (), ctrl
     if method == "ngram":
         return NGram(max_draft=k, min_ngram=ngram), _load_datastore(model, datastore) or (), ctrl
-    if (knn is not None or domain is not None) and method != "knn-ssd":
-        raise JspecError("--knn and --domain go with --method knn-ssd")
     if method == "knn-ssd":
         folder = _load_knn(model, knn)
         return KnnSsd(max_draft=k, domains=folder.names()), _placed(folder.dparams(cfg, domain), model.mesh), ctrl
@@ -195,21 +198,16 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
     return DraftModel(draft_cfg=draft_model.cfg, max_draft=k), _placed(draft_model.params, model.mesh), ctrl
 
 
-def _check_belongs(method: str, **given) -> None:
-    """Refuse an option the method would ignore, so that no run silently measures something else."""
-    drafting = tuple(m for m in METHODS if m != "ar")
-    takes = {"max_draft": drafting, "controller": drafting, "skip_layers": ("layer-skip",),
-             "draft_model": ("draft", "mjsd"), "exit_layer": ("early-exit", "mjsd") + HEAD_METHODS}
+def check_belongs(method: str, given: dict) -> None:
+    """Refuse an option (given as not None) that `method` does not take (TAKES)."""
     for name, value in given.items():
-        if value is not None and method not in takes[name]:
-            flag = "--" + name.replace("_", "-")
+        if value is not None and method not in TAKES[name]:
+            flag = name if name in API_ONLY else "--" + name.replace("_", "-")
             raise JspecError(f"{flag} does not go with --method {method}" +
-                             (": it drafts nothing" if method == "ar" else ""))
+                             (": it drafts nothing" if method == "ar" else f"; it goes with --method {', '.join(TAKES[name])}"))
 
 
-def _check_candidates(method: str, candidates, max_draft: int | None, controller: str | None) -> None:
-    if method not in CANDIDATE_METHODS:
-        raise JspecError(f"--candidates goes with --method {', '.join(CANDIDATE_METHODS)}")
+def _check_candidates(candidates, max_draft: int | None, controller: str | None) -> None:
     if not (isinstance(candidates, int) and 2 <= candidates <= MAX_CANDIDATES):
         raise JspecError(f"--candidates must be between 2 and {MAX_CANDIDATES}, got {candidates}")
     if max_draft is not None or controller is not None:
@@ -217,10 +215,8 @@ def _check_candidates(method: str, candidates, max_draft: int | None, controller
                          "it takes no --max-draft or --controller")
 
 
-def _lookup_first(method: str, drafter, min_ngram: int | None, k: int | None) -> Lookup:
+def _lookup_first(drafter, min_ngram: int | None, k: int | None) -> Lookup:
     """`drafter` behind prompt lookup (jspec.drafters.lookup)."""
-    if method not in LOOKUP_METHODS:
-        raise JspecError(f"--lookup goes with --method {', '.join(LOOKUP_METHODS)}")
     if isinstance(drafter, specee.SpecEE) and drafter.kv != "fill":
         # A copying round runs every layer at its positions, which "mask"'s map of missing entries
         # does not follow.

@@ -140,7 +140,9 @@ def test_resume_refuses_other_settings(capsys, tiny_chat_model, questions, tmp_p
 
 @pytest.mark.parametrize("args, message", [
     (["--methods", "ar,bogus"], "unknown method 'bogus'"),
-    (["--methods", "early-exit:depth=3"], "unknown option 'depth' for method early-exit"),
+    (["--methods", "early-exit:depth=3"], "method early-exit takes no option 'depth'; its options are max_draft"),
+    (["--methods", "eesd:beam_width=2"], "method eesd takes no option 'beam_width'; its options are max_draft"),
+    (["--methods", "ar:max_draft=2"], "method ar takes no option 'max_draft'; it takes none"),
     (["--methods", "early-exit:exit_layer"], "bad option 'exit_layer'"),
     (["--methods", "ar,,ngram"], "empty entry"),
     (["--methods", "ngram,ngram"], "names 'ngram' twice"),

@@ -393,7 +393,7 @@ def test_head_for_another_model_is_refused(lm, make_tiny, tmp_path):
         lm.generate([{"token_ids": [5, 6, 7]}], method="eesd", head=str(path), max_new_tokens=2)
     with pytest.raises(JspecError, match="needs --head"):
         lm.generate([{"token_ids": [5, 6, 7]}], method="eesd", max_new_tokens=2)
-    with pytest.raises(JspecError, match="--head goes with"):
+    with pytest.raises(JspecError, match="--head does not go with --method ngram"):
         lm.generate([{"token_ids": [5, 6, 7]}], method="ngram", head=str(path), max_new_tokens=2)
 
 

@@ -318,9 +318,9 @@ def test_options_checked(small):
         methods.build("mjsd", model, beam_width=0)
     with pytest.raises(JspecError, match="--accept-threshold"):
         methods.build("mjsd", model, accept_threshold=0.0)
-    with pytest.raises(JspecError, match="go with --method mjsd"):
+    with pytest.raises(JspecError, match="--beam-width does not go with --method eesd; it goes with --method mjsd"):
         methods.build("eesd", model, beam_width=2)
-    with pytest.raises(JspecError, match="go with --method mjsd"):
+    with pytest.raises(JspecError, match="--tree does not go with --method eagle; it goes with --method mjsd"):
         methods.build("eagle", model, tree=True)
     with pytest.raises(JspecError, match="--tree is true or false"):
         methods.build("mjsd", model, tree="yes")

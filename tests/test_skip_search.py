@@ -107,7 +107,7 @@ def test_fit_knn_refuses_a_set_of_other_layers(capsys, tmp_path, tiny_llama):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["generate", "hi", "--knn", "x"], "--knn and --domain go with --method knn-ssd"),
+    (["generate", "hi", "--knn", "x"], "--knn does not go with --method ar"),
     (["search-skip", "--prompts", "missing.jsonl", "--out", "o.json"], "does not exist"),
     (["search-skip", "--prompts", "train_prompts", "--category", "nope", "--out", "o.json"], "no prompts of category"),
     (["fit-knn", "--sets", ".", "--out", "o"], "holds no skip sets"),

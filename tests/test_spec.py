@@ -18,6 +18,7 @@ once, seconds each on a small CPU, so the tests share one target and one set of 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import math
 
@@ -352,8 +353,14 @@ def test_keep_candidate_moves_the_heads_entries_too(spec):
         np.testing.assert_array_equal(np.asarray(new), want)
 
 
+def test_every_build_option_says_which_methods_take_it():
+    options = [n for n, p in inspect.signature(methods.build).parameters.items() if p.kind is p.KEYWORD_ONLY]
+    assert sorted(methods.TAKES) == sorted(options)
+    assert all(set(takers) <= set(methods.METHODS) for takers in methods.TAKES.values())
+
+
 @pytest.mark.parametrize("options, phrase", [
-    (dict(method="ngram", candidates=3), "--candidates goes with --method eagle"),
+    (dict(method="ngram", candidates=3), "--candidates does not go with --method ngram; it goes with --method eagle"),
     (dict(method="eagle", candidates=1), "--candidates must be between 2 and 16"),
     (dict(method="kangaroo", candidates=3, max_draft=2), "it takes no --max-draft or --controller"),
     (dict(method="ar", max_draft=2), "--max-draft does not go with --method ar: it drafts nothing"),
@@ -362,7 +369,7 @@ def test_keep_candidate_moves_the_heads_entries_too(spec):
     (dict(method="eesd", skip_layers=(1,)), "--skip-layers does not go with --method eesd"),
     (dict(method="specee", exit_layer=1), "--exit-layer does not go with --method specee"),
     (dict(method="eagle", lookup_draft=8), "--lookup-draft goes with --lookup N"),
-    (dict(method="ar", threshold=0.5), "--threshold does not go with the fixed controller"),
+    (dict(method="ar", threshold=0.5), "--threshold does not go with --method ar: it drafts nothing"),
     (dict(method="early-exit", controller="fixed", threshold=0.9), "--threshold does not go with the fixed"),
     (dict(method="layer-skip", draft_cost=0.5), "--draft-cost does not go with the dv controller"),
     (dict(method="early-exit", thompson_variant="calibration"), "--thompson-variant does not go with the confidence"),
@@ -370,6 +377,8 @@ def test_keep_candidate_moves_the_heads_entries_too(spec):
     (dict(method="layer-skip", controller="dv", threshold=float("nan")), "--threshold must be in 0..1, got nan"),
     (dict(method="eesd", draft_cost=-1.0), "--draft-cost must be in 0..1, got -1.0"),
     (dict(method="ar", draft_model="/no/such/model"), "--draft-model does not go with --method ar"),
+    (dict(method="mjsd", lookup=2), "--lookup does not go with --method mjsd; it goes with --method ngram, draft"),
+    (dict(method="ngram", exit_choice="top1"), "exit_choice does not go with --method ngram; it goes with --method specee"),
 ])
 def test_options_a_method_would_ignore_are_refused(spec, options, phrase):
     if options["method"] in heads.KINDS:

@@ -224,7 +224,7 @@ def test_options_checked(setup):
     model, head, pred, _ = setup
     with pytest.raises(JspecError, match="exit-threshold"):
         model.generate(PROMPTS[:1], method="specee", head=head, predictors=pred, exit_threshold=-1)
-    with pytest.raises(JspecError, match="go with --method specee"):
+    with pytest.raises(JspecError, match="--predictors does not go with --method ar"):
         model.generate(PROMPTS[:1], method="ar", predictors=pred)
     with pytest.raises(JspecError, match="not a set of SpecEE predictors"):
         model.generate(PROMPTS[:1], method="specee", head=head, predictors=head)

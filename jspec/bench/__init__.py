@@ -85,8 +85,10 @@ def _parse_method(piece: str) -> MethodSpec:
         key = key.replace("-", "_")
         if not eq or not value:
             raise JspecError(f"bad option {part!r} for method {name}: write key=value")
-        if key not in OPTIONS:
-            raise JspecError(f"unknown option {key!r} for method {name}; options are {', '.join(OPTIONS)}")
+        if name not in methods.TAKES.get(key, ()):
+            takes = [k for k in OPTIONS if name in methods.TAKES[k]]
+            raise JspecError(f"method {name} takes no option {key!r}; " +
+                             (f"its options are {', '.join(takes)}" if takes else "it takes none"))
         if key in dict(options):
             raise JspecError(f"method {name} sets {key} twice in --methods")
         options.append((key, value))

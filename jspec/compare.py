@@ -93,22 +93,22 @@ def differences(a: Sequence[dict], b: Sequence[dict]) -> list[Row]:
 
 def score(model, rows: Sequence[Row], a: Sequence[dict], b: Sequence[dict], prompts: Sequence, chat: bool,
           tie: float) -> None:
-    """Fill in the target's scores and verdict of each row with two tokens, in place."""
-    todo = [row for row in rows if row.a is not None and row.b is not None]
-    if not todo:
-        return
-    by_a, by_b = ({rec["id"]: rec for rec in records} for records in (a, b))
+    """Fill in the target's scores and verdict of each row with two tokens, in place, after checking
+    that every record both files hold (scored or not) belongs to `prompts` as encoded with `chat`."""
     requests = {r.id: r for r in model.requests(prompts, chat)}
+    in_both = {rec["id"] for rec in a} & {rec["id"] for rec in b}
+    for record in (rec for rec in [*a, *b] if rec["id"] in in_both):  # a wrong prompts file or chat setting shows here
+        if record["id"] not in requests:
+            raise JspecError(f"id {json.dumps(record['id'])} of the outputs is not among the prompts")
+        prompt = requests[record["id"]].token_ids
+        if record.get("prompt_tokens", len(prompt)) != len(prompt):
+            raise JspecError(f"prompt {json.dumps(record['id'])} encodes to {len(prompt)} tokens, its record says "
+                             f"{record['prompt_tokens']}: give the prompts that produced the outputs, "
+                             f"with --no-chat if they had it")
+    by_a = {rec["id"]: rec for rec in a}
     vocab = model.cfg.vocab_size
-    for row in todo:
-        if row.id not in requests:
-            raise JspecError(f"id {json.dumps(row.id)} of the outputs is not among the prompts")
+    for row in (row for row in rows if row.a is not None and row.b is not None):
         prompt = requests[row.id].token_ids
-        for record in (by_a[row.id], by_b[row.id]):  # a wrong prompts file or chat setting shows here
-            if record.get("prompt_tokens", len(prompt)) != len(prompt):
-                raise JspecError(f"prompt {json.dumps(row.id)} encodes to {len(prompt)} tokens, its record says "
-                                 f"{record['prompt_tokens']}: give the prompts that produced the outputs, "
-                                 f"with --no-chat if they had it")
         tokens = prompt + by_a[row.id]["token_ids"][:row.position]
         if max(tokens + [row.a, row.b]) >= vocab:
             raise JspecError(f"row {json.dumps(row.id)} holds token ids beyond the model's vocabulary of {vocab}")

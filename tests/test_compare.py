@@ -105,7 +105,12 @@ def test_cli_scores_the_prompts_as_generate_encoded_them(capsys, tiny, tmp_path)
 
     # Encoded without the chat template, the prompts are not those of the outputs.
     assert_one_error(*run(capsys, "compare", a, b, "--prompts", prompts, "--model", tiny, "--no-chat"),
-                     "prompt 1 encodes to")
+                     "prompt 0 encodes to")  # an identical row is checked too
+    # Every record is checked against the prompts, also one that is only cut short (nothing to score).
+    shorter = write_lines(tmp_path / "shorter.jsonl", changed[0], {**changed[1], "token_ids": changed[1]["token_ids"][:2]})
+    one_prompt = write_lines(tmp_path / "one.jsonl", PROMPTS[0])
+    assert_one_error(*run(capsys, "compare", a, shorter, "--prompts", one_prompt, "--model", tiny),
+                     "id 1 of the outputs is not among the prompts")
 
 
 @pytest.mark.parametrize("lines, args, phrase", [

@@ -664,7 +664,8 @@ def _add_train_head(sub) -> None:
     p.add_argument("--eval-every", type=int, default=r.eval_every, metavar="STEPS",
                    help="measure held-out agreement this often, keep the best head, stop after --patience "
                         "measurements without a gain; 0: only at the end (default: %(default)s)")
-    p.add_argument("--patience", type=int, default=r.patience, help="(default: %(default)s)")
+    p.add_argument("--patience", type=int, default=None,
+                   help=f"with --eval-every: measurements without a gain before stopping (default: {r.patience})")
     p.add_argument("--seed", type=int, default=r.seed, help="(default: %(default)s)")
     add_model_options(p)
     p.set_defaults(func=cmd_train_head)
@@ -679,8 +680,11 @@ def cmd_train_head(args: argparse.Namespace) -> int:
                           lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay, b1=args.b1, b2=args.b2,
                           clip=args.clip, ce_weight=args.ce_weight, draft_vocab=args.draft_vocab, init=args.init,
                           eval_fraction=args.eval_fraction, save_every=args.save_every,
-                          eval_every=args.eval_every, patience=args.patience, seed=args.seed)
+                          eval_every=args.eval_every, seed=args.seed,
+                          **({} if args.patience is None else {"patience": args.patience}))
     recipe.check()
+    if args.patience is not None and not args.eval_every:
+        raise JspecError("--patience goes with --eval-every N: without measurements nothing stops early")
     if args.exit_layer is None and args.kind != "eagle":
         raise JspecError(f"--kind {args.kind} needs --exit-layer N")
     distill.check_distinct(args.data + args.eval_data)

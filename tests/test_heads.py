@@ -306,7 +306,7 @@ def test_saved_head_restores_bit_identically(lm, tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_resume_after_interrupt_continues_from_last_checkpoint(lm, data, tmp_path):
+def test_resume_after_interrupt_continues_from_last_checkpoint(lm, data, tmp_path, monkeypatch):
     """With held-out evaluation on, so the early-stopping state (best loss, patience) resumes too."""
     recipe = train.Recipe(**{**RECIPE.__dict__, "steps": 12, "save_every": 4, "eval_every": 2, "patience": 3})
     ref_path, ref_summary = train.train(lm, data, tmp_path / "ref", recipe, progress=False)
@@ -320,6 +320,11 @@ def test_resume_after_interrupt_continues_from_last_checkpoint(lm, data, tmp_pat
     ckpt = tmp_path / "head.train"
     assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [4, 6]  # every 4, and on interrupt
     assert not (tmp_path / "head").exists()
+    with monkeypatch.context() as m:  # other settings are refused before the long pass over the data
+        m.setattr(train, "head_inputs", lambda *a, **k: pytest.fail("the target ran before the settings check"))
+        with pytest.raises(JspecError, match="holds a run with other settings"):
+            train.train(lm, data, tmp_path / "head", train.Recipe(**{**recipe.__dict__, "lr": recipe.lr / 2}),
+                        progress=False)
     steps = []
     path, summary = train.train(lm, data, tmp_path / "head", recipe, progress=False,
                                 on_step=lambda step, m: steps.append(step))
@@ -433,6 +438,8 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         (["train-head", "--kind", "kangaroo", "--data", "d", "--out", "h"], "--kind kangaroo needs --exit-layer N"),
         (["train-head", "--kind", "eesd", "--exit-layer", "4", "--data", "d", "--out", "h", "--steps", "0"],
          "--steps must be >= 1"),
+        (["train-head", "--kind", "eesd", "--exit-layer", "4", "--data", "d", "--out", "h", "--patience", "2"],
+         "--patience goes with --eval-every N"),
         (["train-head", "--kind", "eesd", "--exit-layer", "4", "--data", str(tmp_path / "data"), "--out", "h",
           "--init", str(tmp_path), "--model", "/no/such/model"], "not a jspec head"),
         (["train-head", "--kind", "eesd", "--exit-layer", "4", "--data", str(tmp_path / "data"),

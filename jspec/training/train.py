@@ -313,6 +313,13 @@ def train(lm, data_dirs, out, recipe: Recipe, eval_dirs=(), progress: bool = Tru
                          f"--exit-layer must be between 1 and {cfg.num_layers - 1}, got {recipe.exit_layer}")
     data_dirs = [data_dirs] if isinstance(data_dirs, (str, Path)) else list(data_dirs)
     folders = [str(Path(f).absolute()) for f in [*data_dirs, *eval_dirs]]
+    ckpt_dir = Path(str(Path(out).absolute()) + ".train")
+    info_path = ckpt_dir / "recipe.json"
+    info = {"recipe": dataclasses.asdict(recipe), "data": folders[:len(data_dirs)],
+            "eval_data": folders[len(data_dirs):]}
+    saved = json.loads(info_path.read_text()) if saved_steps(ckpt_dir) and info_path.exists() else {}
+    if saved_steps(ckpt_dir) and any(saved.get(k) != info[k] for k in info):  # before the long pass below
+        raise JspecError(f"{ckpt_dir} holds a run with other settings; remove it or use another --out")
     data_metas, data = load_data(folders)
     if data["top_ids"].max() >= cfg.vocab_size:
         raise JspecError("the data was made with another model's vocabulary")
@@ -352,20 +359,14 @@ def train(lm, data_dirs, out, recipe: Recipe, eval_dirs=(), progress: bool = Tru
 
     evaluate = jax.jit(lambda tr, batch: loss_fn(tr, batch)[1])
 
-    ckpt_dir = Path(str(Path(out).absolute()) + ".train")
     # best_*: early stopping's state, checkpointed with the rest so that a resumed run stops where
     # an uninterrupted one would.
     state = {"params": trainable, "opt_state": opt.init(trainable), "best_params": trainable,
              "best_agreement": jnp.float32(-1), "best_step": jnp.int32(0), "stale": jnp.int32(0),
              "measured_step": jnp.int32(0)}
-    info_path = ckpt_dir / "recipe.json"
-    info = {"recipe": dataclasses.asdict(recipe), "data": folders[:len(data_dirs)], "eval_data": folders[len(data_dirs):],
-            "sequences": n}
+    info["sequences"] = n
     start, wall = 0, 0.0
     if saved_steps(ckpt_dir):
-        saved = json.loads(info_path.read_text()) if info_path.exists() else {}
-        if any(saved.get(k) != info[k] for k in ("recipe", "data", "eval_data")):
-            raise JspecError(f"{ckpt_dir} holds a run with other settings; remove it or use another --out")
         start = saved_steps(ckpt_dir)[-1]
         # Onto the devices of the fresh state (the model's), whatever the checkpoint was saved from.
         state = store.restore(ckpt_dir / str(start), state, jax.tree.map(lambda x: x.sharding, state))

@@ -222,8 +222,8 @@ def _add_generate(sub) -> None:
     g.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address, where the run meets")
     g.add_argument("--num-processes", type=int, metavar="N", help="how many processes take part")
     g.add_argument("--process-id", type=int, metavar="I", help="this process's number, 0..N-1 (0 writes the output)")
-    g.add_argument("--init-timeout", type=int, default=300, metavar="S",
-                   help="seconds to wait for the other processes (default: %(default)s)")
+    g.add_argument("--init-timeout", type=int, default=None, metavar="S",
+                   help="seconds to wait for the other processes (default: 300, jspec.distributed's)")
     p.set_defaults(func=cmd_generate)
 
 
@@ -242,6 +242,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_generation_args(args)
     if args.distributed or args.coordinator or args.num_processes is not None or args.process_id is not None:
         _join(args)
+    elif args.init_timeout is not None:
+        raise JspecError("--init-timeout goes with a multi-process run (--distributed, or --coordinator, "
+                         "--num-processes and --process-id)")
     if args.prompts is None:
         return _generate_one(args)
     return _generate_file(args)
@@ -252,10 +255,10 @@ def _join(args: argparse.Namespace) -> None:
 
     if args.mesh is None:
         raise JspecError("a multi-process run needs --mesh over every process's devices (data=N,model=M)")
-    if args.init_timeout < 1:
+    if args.init_timeout is not None and args.init_timeout < 1:
         raise JspecError(f"--init-timeout must be >= 1, got {args.init_timeout}")
     distributed.initialize(args.coordinator, args.num_processes, args.process_id, auto=args.distributed,
-                           timeout=args.init_timeout)
+                           **({} if args.init_timeout is None else {"timeout": args.init_timeout}))
     # Paths may differ from host to host; the prompts' contents are compared on their own.
     command = {k: v for k, v in vars(args).items() if k not in ("process_id", "func", "prompts", "output")}
     distributed.check_same("options", repr(sorted(command.items())))

@@ -296,6 +296,7 @@ def test_bad_prompts_file(capsys, tmp_path, lines, phrase):
      "--num-processes must be >= 1, got 0"),
     (["--mesh", "data=1", "--coordinator", "nowhere", "--num-processes", "2", "--process-id", "1"],
      "--coordinator must be HOST:PORT"),
+    (["--init-timeout", "30"], "--init-timeout goes with a multi-process run"),
     (["--max-new-tokens", "many"], "invalid int value"),
     (["--dtype", "float16"], "invalid choice"),
     (["--output", "o.jsonl"], "go with --prompts"),

@@ -119,6 +119,9 @@ def test_distill_data_splits_over_folders_with_skip(lm, data, tmp_path):
     assert meta["skip"] == 16 and meta["count"] == 8
     for name in reference:
         np.testing.assert_array_equal(rest[name], reference[name][16:])
+    # A count beyond the prompts takes what there is, and meta.json says how many that was.
+    meta, tail = distill.load(make_data(lm, tmp_path / "tail", count=100, skip=32))
+    assert meta["count"] == len(tail["tokens"]) == 40 - 32
     with pytest.raises(JspecError, match="no prompt is left after skipping 40"):
         make_data(lm, tmp_path / "none", count=8, skip=40)
     assert not (tmp_path / "none").exists()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import random
 from pathlib import Path
@@ -37,6 +38,8 @@ from jspec import model as M
 from jspec.engine.loop import top_logprobs
 from jspec.errors import JspecError
 from jspec.sampling import Sampling
+
+log = logging.getLogger("jspec")
 
 FORMAT = 1
 MIN_WIDTH = 32  # the narrowest padded width of a forward (padded_widths)
@@ -64,6 +67,10 @@ def make(lm, prompts: list[dict], out: str | os.PathLike, *, count: int = 512, m
     if skip:  # only when used, so that folders made before it resume
         meta["skip"] = skip
     chosen = choose(lm, prompts, count, max_prompt_tokens, seed, skip)
+    if len(chosen) < count:  # the prompts ran out: meta.json records what the folder holds
+        log.warning(f"only {len(chosen)} prompts fit in {max_prompt_tokens} tokens (after skipping {skip}): "
+                    f"distilling {len(chosen)}, not --count {count}")
+        meta["count"] = len(chosen)
     check_or_write_meta(out, meta, grows="count")
     shards = [chosen[i:i + shard_size] for i in range(0, len(chosen), shard_size)]
     # A shard is done when it holds all its prompts: a smaller count's last shard may be short.

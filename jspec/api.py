@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
+import os
 import time
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -149,6 +149,9 @@ class Model:
         if not chat:
             raise JspecError("chat messages need the chat template; give plain prompts to use --no-chat")
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        for i, m in enumerate(messages):  # as the prompts file's reader says it (jspec.jsonl)
+            if not (isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise JspecError(f"chat message {i} must have a string 'role' and 'content', got {m!r}")
         if self.tokenizer.chat_template is None:
             raise JspecError(f"model {self.name} has no chat template: use --no-chat")
         return self.tokenizer.encode_chat(messages)
@@ -201,16 +204,16 @@ class Model:
         Sampling keys follow the index of each batch's first request, so a resumed run samples
         what the uninterrupted run would have (for the same batch size).
         """
-        takes = inspect.signature(methods.build).parameters.keys() - {"method", "model"}
-        unknown = sorted(method_options.keys() - takes)
+        unknown = sorted(method_options.keys() - methods.TAKES.keys())
         if unknown:
             raise JspecError(f"unknown option {unknown[0]!r}; generate takes max_new_tokens, batch_size, temperature, "
                              "top_k, top_p, seed, logprobs, chat and the options of jspec.methods.build")
         for name, value in (("temperature", temperature), ("top_p", top_p)):
             if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, bool):
                 raise JspecError(f"{name} must be a number, got {value!r}")
-        if isinstance(method_options.get("draft_model"), str) and method in ("draft", "mjsd"):  # else build refuses it
-            method_options["draft_model"] = load(method_options["draft_model"], self._dtype_name())
+        draft_model = method_options.get("draft_model")
+        if isinstance(draft_model, (str, os.PathLike)) and method in methods.TAKES["draft_model"]:
+            method_options["draft_model"] = load(draft_model, self._dtype_name())
         plan = methods.build(method, self, **method_options)
         for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size), ("seed", seed),
                             ("logprobs", logprobs), ("top_k", top_k)):

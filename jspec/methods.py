@@ -7,12 +7,16 @@ back to the method's defaults, which are documented in docs/methods.md.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import math
+import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jspec import datastore as datastore_io, heads, knn as knn_folder, sharding
 from jspec import predictors as predictors_io
@@ -62,7 +66,7 @@ TAKES = {"max_draft": _DRAFTING, "controller": _DRAFTING, "threshold": _DRAFTING
          "beam_width": ("mjsd",), "accept_threshold": ("mjsd",), "tree": ("mjsd",),
          "exit_threshold": ("specee",), "predictors": ("specee",), "exit_choice": ("specee",),
          "exit_kv": ("specee",), "knn": ("knn-ssd",), "domain": ("knn-ssd",),
-         "lookup": ("ngram",) + LOOKUP_METHODS, "lookup_draft": ("ngram",) + LOOKUP_METHODS,
+         "lookup": ("ngram",) + LOOKUP_METHODS, "lookup_draft": LOOKUP_METHODS,
          "datastore": ("ngram",) + LOOKUP_METHODS, "candidates": CANDIDATE_METHODS}
 API_ONLY = ("exit_choice", "exit_kv")  # options the command line has no flag for
 # The reference's 0.5 lets SmolLM2-135M's predictors (held-out precision 0.57-0.70 below depth 21)
@@ -121,7 +125,8 @@ def default_skip_layers(model) -> tuple[int, ...]:
 
 
 def build(method: str, model, *, max_draft: int | None = None, controller: str | None = None,
-          exit_layer: int | None = None, skip_layers=None, draft_model=None, threshold: float | None = None,
+          exit_layer: int | None = None, skip_layers: Sequence[int] | None = None, draft_model=None,
+          threshold: float | None = None,
           thompson_variant: str | None = None, draft_cost: float | None = None, head: str | None = None,
           beam_width: int | None = None, accept_threshold: float | None = None, tree: bool | None = None,
           exit_threshold: float | None = None, predictors: str | None = None, exit_choice: str | None = None,
@@ -131,14 +136,15 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
     """(drafter, drafter params, controller) for `method` on `model` (a jspec.api.Model)."""
     if method not in METHODS:
         raise JspecError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-    check_belongs(method, {k: v for k, v in locals().items() if k in TAKES})
-    if lookup_draft is not None and lookup is None and method != "ngram":
+    given = {k: v for k, v in locals().items() if k in TAKES and v is not None}
+    check_belongs(method, given)
+    check_types(given)
+    if lookup_draft is not None and lookup is None:
         raise JspecError("--lookup-draft goes with --lookup N")
-    if method == "ngram" and lookup_draft is None:  # n-gram drafting is lookup: --lookup is its shortest repeat
+    if method == "ngram":  # n-gram drafting is lookup: --lookup is its shortest repeat
         ngram, lookup = _shortest_repeat(lookup), None
-    if lookup is not None or lookup_draft is not None:
-        options = {k: v for k, v in locals().items()
-                   if k not in ("method", "model", "lookup", "lookup_draft", "datastore")}
+    if lookup is not None:
+        options = {k: v for k, v in given.items() if k not in ("lookup", "lookup_draft", "datastore")}
         drafter, dparams, ctrl = build(method, model, **options)
         lookup_first = _lookup_first(drafter, lookup, lookup_draft)
         return lookup_first, {"inner": dparams, "table": _load_datastore(model, datastore)}, ctrl
@@ -203,8 +209,32 @@ def check_belongs(method: str, given: dict) -> None:
     for name, value in given.items():
         if value is not None and method not in TAKES[name]:
             flag = name if name in API_ONLY else "--" + name.replace("_", "-")
-            raise JspecError(f"{flag} does not go with --method {method}" +
-                             (": it drafts nothing" if method == "ar" else f"; it goes with --method {', '.join(TAKES[name])}"))
+            why = ": it drafts nothing" if method == "ar" else f"; it goes with --method {', '.join(TAKES[name])}"
+            raise JspecError(f"{flag} does not go with --method {method}{why}")
+
+
+# build's options and the kind of value each takes, from its annotations ("int", "float", "bool",
+# "str" (a name or a path), "Sequence[int]"; "" for draft_model, a loaded model).
+KINDS = {n: "" if p.annotation is p.empty else str(p.annotation).split(" ")[0]
+         for n, p in inspect.signature(build).parameters.items() if p.kind is p.KEYWORD_ONLY}
+
+
+def check_types(given: dict) -> None:
+    """Refuse an option of the wrong type in one line (the API and bench's method specs take them
+    as values; an int goes where a float does, a pathlib.Path where a path does)."""
+    def integer(x):
+        return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+    for name, value in given.items():
+        what, ok = {"int": ("an integer", integer(value)),
+                    "float": ("a number", integer(value) or isinstance(value, (float, np.floating))),
+                    "bool": ("true or false", isinstance(value, bool)),
+                    "str": ("a string", isinstance(value, (str, os.PathLike))),
+                    "Sequence[int]": ("a list of layer numbers",
+                                      isinstance(value, (list, tuple)) and all(map(integer, value))),
+                    "": ("a path or a loaded jspec model", hasattr(value, "cfg"))}[KINDS[name]]
+        if value is not None and not ok:
+            raise JspecError(f"{name} takes {what}, got {value!r}")
 
 
 def _check_candidates(candidates, max_draft: int | None, controller: str | None) -> None:

@@ -191,7 +191,7 @@ def test_parse_methods():
     for text, phrase in [("eesd:max_draft=zero", "max_draft takes an integer, got 'zero'"),
                          ("eesd:max_draft=2.5", "max_draft takes an integer"),
                          ("mjsd:accept_threshold=high", "accept_threshold takes a number"),
-                         ("mjsd:tree=1", "tree takes true or false, got '1'")]:
+                         ("mjsd:tree=1", "tree takes true or false, got 1")]:
         with pytest.raises(JspecError, match=phrase):
             bench.parse_methods(text)
     assert bench.parse_batch_sizes("8, 1") == [1, 8]

@@ -242,6 +242,16 @@ def test_bad_requests_are_explained(tiny):
         tiny.generate(ok, max_new_token=4)
     with pytest.raises(JspecError, match="chat must be True or False, got 'no'"):
         tiny.generate(ok, chat="no")
+    for option, phrase in [(dict(method="layer-skip", skip_layers="1,2"), "skip_layers takes a list of layer numbers"),
+                           (dict(method="layer-skip", skip_layers=[1.5]), "skip_layers takes a list of layer numbers"),
+                           (dict(method="ngram", datastore=5), "datastore takes a string, got 5"),
+                           (dict(method="layer-skip", max_draft="3"), "max_draft takes an integer, got '3'"),
+                           (dict(method="eagle", candidates=2.0), "candidates takes an integer, got 2.0"),
+                           (dict(method="layer-skip", threshold="0.5"), "threshold takes a number, got '0.5'"),
+                           (dict(method="mjsd", tree="yes"), "tree takes true or false, got 'yes'"),
+                           (dict(method="draft", draft_model=5), "draft_model takes a path or a loaded jspec model")]:
+        with pytest.raises(JspecError, match=phrase):
+            tiny.generate(ok, **option)
     for name in ("temperature", "top_p"):
         with pytest.raises(JspecError, match=f"{name} must be a number, got '0.5'"):
             tiny.generate(ok, **{name: "0.5"})
@@ -254,6 +264,12 @@ def test_bad_requests_are_explained(tiny):
 
 
 # -- the default model -----------------------------------------------------------------------------
+
+def test_chat_messages_must_hold_strings(default_model):
+    for message in ({"role": "user", "content": 5}, {"role": "user"}, {"role": 3, "content": "x"}):
+        with pytest.raises(JspecError, match="chat message 0 must have a string 'role' and 'content'"):
+            default_model.generate([[message]], max_new_tokens=1)
+
 
 @pytest.fixture(scope="module")
 def default_greedy(default_model):

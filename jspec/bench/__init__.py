@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import inspect
 import json
 import logging
 import re
@@ -39,9 +38,6 @@ from jspec import methods, prompt_sets
 from jspec.errors import JspecError
 from jspec.jsonl import check_not_prompts
 
-# methods.build's options and their annotations ("int | None", ...; empty where free-form)
-OPTIONS = {n: str(p.annotation) for n, p in inspect.signature(methods.build).parameters.items()
-           if p.kind is p.KEYWORD_ONLY}
 _NAME = re.compile(r"[A-Za-z][\w-]*(:|$)")
 log = logging.getLogger("jspec")
 
@@ -86,7 +82,7 @@ def _parse_method(piece: str) -> MethodSpec:
         if not eq or not value:
             raise JspecError(f"bad option {part!r} for method {name}: write key=value")
         if name not in methods.TAKES.get(key, ()):
-            takes = [k for k in OPTIONS if name in methods.TAKES[k]]
+            takes = [k for k in methods.KINDS if name in methods.TAKES[k]]
             raise JspecError(f"method {name} takes no option {key!r}; " +
                              (f"its options are {', '.join(takes)}" if takes else "it takes none"))
         if key in dict(options):
@@ -98,19 +94,12 @@ def _parse_method(piece: str) -> MethodSpec:
 
 def _value(key: str, text: str):
     """The option's value as methods.build takes it: refused here, in one line, when its type is
-    wrong (an int where a float goes is fine)."""
+    wrong."""
     values = [_scalar(v.strip()) for v in text.split(",")]
     value = tuple(values) if key == "skip_layers" or len(values) > 1 else values[0]
-    kind = OPTIONS[key].split(" ")[0]
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind == "int" and not (number and isinstance(value, int)):
-        raise JspecError(f"option {key} takes an integer, got {text!r}")
-    if kind == "float" and not number:
-        raise JspecError(f"option {key} takes a number, got {text!r}")
-    if kind == "bool" and not isinstance(value, bool):
-        raise JspecError(f"option {key} takes true or false, got {text!r}")
-    if kind == "str" and value is not None:
+    if methods.KINDS[key] in ("str", "") and value is not None:  # a name or a path (draft_model loads later)
         return text
+    methods.check_types({key: value})
     return value
 
 

@@ -340,11 +340,12 @@ def test_resume_after_interrupt_continues_from_last_checkpoint(lm, data, tmp_pat
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_training_goes_on_from_a_saved_head(lm, data, tmp_path):
+def test_training_goes_on_from_a_saved_head(lm, data, tmp_path, caplog):
     first, summary = train.train(lm, data, tmp_path / "first", RECIPE, progress=False)
     # One step at the warmup's learning rate of 0: the head comes out as it went in, vocabulary too.
     again = train.Recipe(**{**RECIPE.__dict__, "init": str(first), "steps": 1, "warmup": 1, "draft_vocab": 64})
     path, resumed = train.train(lm, data, tmp_path / "again", again, progress=False)
+    assert "--warmup 1 >= --steps 1: the learning rate never reaches" in caplog.text
     assert resumed["agreement"] == summary["agreement"]
     assert heads.read_meta(path)["training"]["started_from"] == heads.read_meta(first)["training"]
     for a, b in zip(jax.tree.leaves(heads.load(path, lm.cfg)[0]), jax.tree.leaves(heads.load(first, lm.cfg)[0])):

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import shutil
 import time
@@ -48,6 +49,8 @@ from jspec import heads
 from jspec import model as M
 from jspec.convert import store
 from jspec.errors import JspecError
+
+log = logging.getLogger("jspec")
 from jspec.training import distill
 
 KEEP = 2  # checkpoints kept in OUT.train/
@@ -306,6 +309,9 @@ def train(lm, data_dirs, out, recipe: Recipe, eval_dirs=(), progress: bool = Tru
     from tqdm import tqdm
 
     recipe.check()
+    if recipe.warmup >= recipe.steps:  # allowed: a step or two to try a setup, or to go on from --init unchanged
+        log.warning(f"--warmup {recipe.warmup} >= --steps {recipe.steps}: the learning rate never reaches "
+                    f"--lr {recipe.lr:g}")
     cfg, params = lm.cfg, lm.params
     if recipe.exit_layer not in heads.exit_layers(recipe.kind, cfg):
         raise JspecError(f"an eagle head reads the last layer's state: --exit-layer {cfg.num_layers} (or none), "

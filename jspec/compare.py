@@ -97,7 +97,8 @@ def score(model, rows: Sequence[Row], a: Sequence[dict], b: Sequence[dict], prom
     that every record both files hold (scored or not) belongs to `prompts` as encoded with `chat`."""
     requests = {r.id: r for r in model.requests(prompts, chat)}
     in_both = {rec["id"] for rec in a} & {rec["id"] for rec in b}
-    for record in (rec for rec in [*a, *b] if rec["id"] in in_both):  # a wrong prompts file or chat setting shows here
+    # A wrong prompts file or chat setting shows here, on any row, whether it differs or not.
+    for record in (rec for rec in [*a, *b] if rec["id"] in in_both):
         if record["id"] not in requests:
             raise JspecError(f"id {json.dumps(record['id'])} of the outputs is not among the prompts")
         prompt = requests[record["id"]].token_ids

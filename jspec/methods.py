@@ -126,13 +126,12 @@ def default_skip_layers(model) -> tuple[int, ...]:
 
 def build(method: str, model, *, max_draft: int | None = None, controller: str | None = None,
           exit_layer: int | None = None, skip_layers: Sequence[int] | None = None, draft_model=None,
-          threshold: float | None = None,
-          thompson_variant: str | None = None, draft_cost: float | None = None, head: str | None = None,
-          beam_width: int | None = None, accept_threshold: float | None = None, tree: bool | None = None,
-          exit_threshold: float | None = None, predictors: str | None = None, exit_choice: str | None = None,
-          exit_kv: str | None = None, knn: str | None = None, domain: str | None = None,
-          lookup: int | None = None, lookup_draft: int | None = None, datastore: str | None = None,
-          candidates: int | None = None):
+          threshold: float | None = None, thompson_variant: str | None = None, draft_cost: float | None = None,
+          head: str | None = None, beam_width: int | None = None, accept_threshold: float | None = None,
+          tree: bool | None = None, exit_threshold: float | None = None, predictors: str | None = None,
+          exit_choice: str | None = None, exit_kv: str | None = None, knn: str | None = None,
+          domain: str | None = None, lookup: int | None = None, lookup_draft: int | None = None,
+          datastore: str | None = None, candidates: int | None = None):
     """(drafter, drafter params, controller) for `method` on `model` (a jspec.api.Model)."""
     if method not in METHODS:
         raise JspecError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
@@ -231,7 +230,7 @@ def check_types(given: dict) -> None:
                     "bool": ("true or false", isinstance(value, bool)),
                     "str": ("a string", isinstance(value, (str, os.PathLike))),
                     "Sequence[int]": ("a list of layer numbers",
-                                      isinstance(value, (list, tuple)) and all(map(integer, value))),
+                                      isinstance(value, (list, tuple, np.ndarray)) and all(map(integer, value))),
                     "": ("a path or a loaded jspec model", hasattr(value, "cfg"))}[KINDS[name]]
         if value is not None and not ok:
             raise JspecError(f"{name} takes {what}, got {value!r}")

@@ -107,7 +107,8 @@ def test_cli_scores_the_prompts_as_generate_encoded_them(capsys, tiny, tmp_path)
     assert_one_error(*run(capsys, "compare", a, b, "--prompts", prompts, "--model", tiny, "--no-chat"),
                      "prompt 0 encodes to")  # an identical row is checked too
     # Every record is checked against the prompts, also one that is only cut short (nothing to score).
-    shorter = write_lines(tmp_path / "shorter.jsonl", changed[0], {**changed[1], "token_ids": changed[1]["token_ids"][:2]})
+    cut = {**changed[1], "token_ids": changed[1]["token_ids"][:2]}
+    shorter = write_lines(tmp_path / "shorter.jsonl", changed[0], cut)
     one_prompt = write_lines(tmp_path / "one.jsonl", PROMPTS[0])
     assert_one_error(*run(capsys, "compare", a, shorter, "--prompts", one_prompt, "--model", tiny),
                      "id 1 of the outputs is not among the prompts")

@@ -378,7 +378,7 @@ def test_every_build_option_says_which_methods_take_it():
     (dict(method="eesd", draft_cost=-1.0), "--draft-cost must be in 0..1, got -1.0"),
     (dict(method="ar", draft_model="/no/such/model"), "--draft-model does not go with --method ar"),
     (dict(method="mjsd", lookup=2), "--lookup does not go with --method mjsd; it goes with --method ngram, draft"),
-    (dict(method="ngram", exit_choice="top1"), "exit_choice does not go with --method ngram; it goes with --method specee"),
+    (dict(method="ngram", exit_choice="full"), "exit_choice does not go with --method ngram; it goes with --method spe"),
 ])
 def test_options_a_method_would_ignore_are_refused(spec, options, phrase):
     if options["method"] in heads.KINDS:

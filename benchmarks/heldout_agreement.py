@@ -1,6 +1,6 @@
 """Held-out agreement of saved heads on the same rows, to compare heads trained on different data.
 
-    python benchmarks/heldout_agreement.py --data text/ --heads checkpoints/smollm2-135m-instruct/eesd new-eesd
+    python benchmarks/heldout_agreement.py --data text/ --heads jspec/checkpoints/smollm2-135m-instruct/eesd new-eesd
 
 Rows: those `jspec train-head` holds out with the same --data, --eval-data, --eval-fraction and
 --seed (jspec.training.train.held_out), so a new head and a shipped one are measured alike.

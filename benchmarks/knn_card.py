@@ -1,6 +1,6 @@
 """Write the card (README.md) of a knn-ssd folder from its knn.json and the searches' trial logs.
 
-    python benchmarks/knn_card.py checkpoints/smollm2-135m-instruct/knn-ssd benchmarks/knn_sets
+    python benchmarks/knn_card.py jspec/checkpoints/smollm2-135m-instruct/knn-ssd benchmarks/knn_sets
 """
 
 from __future__ import annotations

@@ -23,6 +23,6 @@ for d in translation summarization qa text_to_sql story_writing rag; do
 done
 python benchmarks/knn_pooled.py "$sets/pooled_prompts.jsonl"
 search pooled --prompts "$sets/pooled_prompts.jsonl" --count 9 --all-buckets
-folder=checkpoints/smollm2-135m-instruct/knn-ssd
+folder=jspec/checkpoints/smollm2-135m-instruct/knn-ssd
 jspec fit-knn --sets "$sets" --out "$folder" --count "$anchor_prompts" --no-anchors pooled
 python benchmarks/knn_card.py "$folder" "$sets"

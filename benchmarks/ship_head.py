@@ -1,4 +1,4 @@
-"""Copy a trained head into checkpoints/ and write its card from head.json and benchmark results.
+"""Copy a trained head into jspec/checkpoints/ and write its card from head.json and benchmark results.
 
     python benchmarks/ship_head.py HEAD_DIR --results benchmarks/results.jsonl [--lookup-results FILE]
 
@@ -19,7 +19,7 @@ import statistics
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEST = ROOT / "checkpoints" / "smollm2-135m-instruct"
+DEST = ROOT / "jspec" / "checkpoints" / "smollm2-135m-instruct"
 
 
 def speed(rows: list[dict], method: str) -> tuple[float, float, int]:

@@ -1,7 +1,7 @@
 """SpecEE's speed-quality curve from a `jspec bench` results file: one point per exit threshold.
 
     python benchmarks/specee_sweep.py benchmarks/results_specee.jsonl \\
-        checkpoints/smollm2-135m-instruct/specee/predictors.json docs/img/specee_sweep.png [DEFAULT]
+        jspec/checkpoints/smollm2-135m-instruct/specee/predictors.json docs/img/specee_sweep.png [DEFAULT]
 
 DEFAULT is the threshold of a label that names none (jspec's default when the run was made: 0.5
 for results_specee.jsonl; by default jspec's default now).

@@ -88,7 +88,7 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("speculative decoding (methods other than ar)")
     d.add_argument("--max-draft", type=int, default=None, metavar="K",
                    help="most tokens drafted per round (default: eesd, kangaroo and eagle 1 on a CPU and 4 "
-                        "elsewhere; ngram 4 on a CPU and 8 elsewhere; mjsd 4; knn-ssd 12; 8 otherwise)")
+                        "elsewhere; ngram 4 on a CPU and 8 elsewhere; mjsd 4; knn-ssd 12; 8 otherwise; specee drafts nothing)")
     d.add_argument("--controller", default=None, choices=tuple(CONTROLLERS),
                    help="draft-length controller (default: the method's own, see docs/methods.md)")
     d.add_argument("--threshold", type=float, default=None,
@@ -843,12 +843,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (the `jspec` script exits with it)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = bool(os.environ.get("JSPEC_DEBUG"))
-    handler = _OneLineHandler(logging.WARNING)
-    logging.getLogger("jspec").addHandler(handler)
+    handler, log = _OneLineHandler(logging.WARNING), logging.getLogger("jspec")
+    # Not to the root logger too: absl (under orbax) gives it a handler of its own, which would
+    # print each warning a second time.
+    log.addHandler(handler)
+    log.propagate = False
     try:
         return _main(argv, debug)
     finally:
-        logging.getLogger("jspec").removeHandler(handler)
+        log.removeHandler(handler)
+        log.propagate = True
 
 
 def _main(argv: list[str], debug: bool) -> int:

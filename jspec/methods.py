@@ -57,7 +57,7 @@ LOOKUP_MAX_DRAFT = 4
 CANDIDATE_METHODS = ("eagle", "early-exit", "eesd", "kangaroo")
 MAX_CANDIDATES = 16
 SPECEE_CHOICES = specee.CHOICES
-_DRAFTING = tuple(m for m in METHODS if m != "ar")
+_DRAFTING = tuple(m for m in METHODS if m not in ("ar", "specee"))  # specee exits early; it drafts nothing
 # Which methods take each of build's options: any other is refused, so that no run silently
 # measures something other than what it names (jspec bench lists a method's options from here).
 TAKES = {"max_draft": _DRAFTING, "controller": _DRAFTING, "threshold": _DRAFTING, "thompson_variant": _DRAFTING,
@@ -101,13 +101,13 @@ def default_max_draft(method: str) -> int:
 
 
 # What ships for the default model (trained heads, the searched layer-skip set): used when no
-# --head / --skip-layers is given (see checkpoints/README.md).
-SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints"
+# --head / --skip-layers is given (see jspec/checkpoints/README.md).
+SHIPPED = Path(__file__).resolve().parent / "checkpoints"  # package data: in every install
 DEFAULT_MODEL_KEY = "smollm2-135m-instruct"
 
 
 def shipped(model, name: str) -> Path | None:
-    """checkpoints/<default model>/<name>, if `model` is the default model and it is there."""
+    """jspec/checkpoints/<default model>/<name>, if `model` is the default model and it is there."""
     from jspec.convert.cache import DEFAULT_MODEL
 
     path = SHIPPED / DEFAULT_MODEL_KEY / name

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import os
 import re
 import subprocess
@@ -304,6 +305,14 @@ def test_bad_prompts_file(capsys, tmp_path, lines, phrase):
 ])
 def test_bad_options_fail_before_loading(capsys, tmp_path, args, phrase):
     assert_one_error(*run(capsys, "generate", "hi", "--model", tmp_path / "missing", *args), phrase)
+
+
+def test_a_warning_prints_once(capsys, monkeypatch, tmp_path):
+    """Once absl (imported by orbax) has given the root logger a handler, a warning still prints
+    once, as jspec's one line."""
+    monkeypatch.setattr(logging.root, "handlers", [logging.StreamHandler(sys.stderr)])
+    code, _, err = run(capsys, "generate", "hi", "--method", "specee", "--model", tmp_path / "missing")
+    assert code == 2 and err.count("is lossy") == 1, err
 
 
 def test_usage_errors(capsys, tmp_path):

@@ -169,11 +169,11 @@ def test_cli_builds_and_refuses(tiny_llama, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_shipped_datastore_on_the_default_model(default_model):
-    """The datastore in checkpoints/ loads by default for ngram and --lookup, drafts where the
+    """The datastore in jspec/checkpoints/ loads by default for ngram and --lookup, drafts where the
     text has no repeat (more accepted than without it), and the output is ar's."""
     from jspec import methods
 
-    assert methods.shipped(default_model, "datastore") is not None, "no shipped datastore in checkpoints/"
+    assert methods.shipped(default_model, "datastore") is not None, "no shipped datastore in jspec/checkpoints/"
     assert set(methods.build("ngram", default_model)[1]) == {"ngram_keys", "ngram_hash", "ngram_next"}
     prompts = ["Write a haiku about the sea.", "What is 12 times 7? Explain."]
     ar = [r["token_ids"] for r in default_model.generate(prompts, max_new_tokens=48)]

@@ -459,12 +459,12 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.parametrize("method", heads.KINDS)
 def test_shipped_heads_are_lossless_on_the_default_model(default_model, method):
-    """The heads in checkpoints/ load by default and give ar's tokens, drafting well. Batch 1 only:
+    """The heads in jspec/checkpoints/ load by default and give ar's tokens, drafting well. Batch 1 only:
     rows with their own acceptance are checked on tiny models (test_spec) and with the shipped
     `eesd` head at batch 2 on a mesh (test_sharding)."""
     from jspec.methods import shipped
 
-    assert shipped(default_model, method) is not None, "no shipped head in checkpoints/"
+    assert shipped(default_model, method) is not None, "no shipped head in jspec/checkpoints/"
     meta = json.loads((shipped(default_model, method) / "head.json").read_text())
     assert meta["kind"] == method and meta["model"] == heads.fingerprint(default_model.cfg)
     prompts = ["Write a haiku about the sea.", "What is 12 times 7? Explain."]

@@ -206,10 +206,10 @@ def test_sampling_matches_target_distribution(tmp_path_factory):
 
 @pytest.mark.slow
 def test_default_model_uses_shipped_folder(default_model):
-    """On the default model --method knn-ssd loads checkpoints/.../knn-ssd: lossless, and each
+    """On the default model --method knn-ssd loads jspec/checkpoints/.../knn-ssd: lossless, and each
     record names the domain its prompt chose."""
     folder = methods.shipped(default_model, "knn-ssd")
-    assert folder is not None, "no knn-ssd folder in checkpoints/"
+    assert folder is not None, "no knn-ssd folder in jspec/checkpoints/"
     names = knn.load(folder).names()
     prompts = ["Translate German to English: Das Haus ist klein.", "Write a Python function that reverses a list."]
     ar = default_model.generate(prompts, max_new_tokens=16)

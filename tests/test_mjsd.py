@@ -322,7 +322,7 @@ def test_options_checked(small):
         methods.build("eesd", model, beam_width=2)
     with pytest.raises(JspecError, match="--tree does not go with --method eagle; it goes with --method mjsd"):
         methods.build("eagle", model, tree=True)
-    with pytest.raises(JspecError, match="--tree is true or false"):
+    with pytest.raises(JspecError, match="tree takes true or false"):
         methods.build("mjsd", model, tree="yes")
     with pytest.raises(JspecError, match="no --controller"):
         methods.build("mjsd", model, controller="confidence")

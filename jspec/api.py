@@ -32,6 +32,7 @@ from jspec.convert import store
 from jspec import methods
 from jspec.engine import loop
 from jspec.errors import JspecError
+from jspec.jsonl import check_messages
 from jspec.model import KVCache, Packing, param_shapes
 from jspec.sampling import Sampling
 from jspec.tokenizer import Tokenizer
@@ -148,10 +149,8 @@ class Model:
             return self.tokenizer.encode(prompt)
         if not chat:
             raise JspecError("chat messages need the chat template; give plain prompts to use --no-chat")
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        for i, m in enumerate(messages):  # as the prompts file's reader says it (jspec.jsonl)
-            if not (isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                raise JspecError(f"chat message {i} must have a string 'role' and 'content', got {m!r}")
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else \
+            check_messages(list(prompt), "chat messages")
         if self.tokenizer.chat_template is None:
             raise JspecError(f"model {self.name} has no chat template: use --no-chat")
         return self.tokenizer.encode_chat(messages)

@@ -88,7 +88,8 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("speculative decoding (methods other than ar)")
     d.add_argument("--max-draft", type=int, default=None, metavar="K",
                    help="most tokens drafted per round (default: eesd, kangaroo and eagle 1 on a CPU and 4 "
-                        "elsewhere; ngram 4 on a CPU and 8 elsewhere; mjsd 4; knn-ssd 12; 8 otherwise; specee drafts nothing)")
+                        "elsewhere; ngram 4 on a CPU and 8 elsewhere; mjsd 4; knn-ssd 12; 8 otherwise; "
+                        "specee drafts nothing)")
     d.add_argument("--controller", default=None, choices=tuple(CONTROLLERS),
                    help="draft-length controller (default: the method's own, see docs/methods.md)")
     d.add_argument("--threshold", type=float, default=None,

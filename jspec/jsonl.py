@@ -42,7 +42,7 @@ def read_prompts(path) -> list[dict]:
             _check_unicode(obj["prompt"], where)
             prompt["prompt"] = obj["prompt"]
         elif "messages" in obj:
-            prompt["messages"] = _check_messages(obj["messages"], where)
+            prompt["messages"] = check_messages(obj["messages"], where)
         elif "token_ids" in obj:
             ids = obj["token_ids"]
             if not (isinstance(ids, list) and ids and all(type(t) is int and t >= 0 for t in ids)):
@@ -109,7 +109,8 @@ def _check_id(value: Any, where: str, lineno: int, seen: dict[Any, int]) -> Any:
     return value
 
 
-def _check_messages(messages: Any, where: str) -> list[dict]:
+def check_messages(messages: Any, where: str) -> list[dict]:
+    """A prompt's chat messages: a non-empty list of {role, content} with string values."""
     if not isinstance(messages, list) or not messages:
         raise JspecError(f"{where}: \"messages\" must be a non-empty list of {{role, content}} objects")
     for i, m in enumerate(messages):

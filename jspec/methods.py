@@ -204,9 +204,9 @@ def build(method: str, model, *, max_draft: int | None = None, controller: str |
 
 
 def check_belongs(method: str, given: dict) -> None:
-    """Refuse an option (given as not None) that `method` does not take (TAKES)."""
-    for name, value in given.items():
-        if value is not None and method not in TAKES[name]:
+    """Refuse an option (those given, none of them None) that `method` does not take (TAKES)."""
+    for name in given:
+        if method not in TAKES[name]:
             flag = name if name in API_ONLY else "--" + name.replace("_", "-")
             why = ": it drafts nothing" if method == "ar" else f"; it goes with --method {', '.join(TAKES[name])}"
             raise JspecError(f"{flag} does not go with --method {method}{why}")

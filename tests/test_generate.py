@@ -267,7 +267,7 @@ def test_bad_requests_are_explained(tiny):
 
 def test_chat_messages_must_hold_strings(default_model):
     for message in ({"role": "user", "content": 5}, {"role": "user"}, {"role": 3, "content": "x"}):
-        with pytest.raises(JspecError, match="chat message 0 must have a string 'role' and 'content'"):
+        with pytest.raises(JspecError, match='chat messages: message 0 must be an object with string "role" and "content"'):
             default_model.generate([[message]], max_new_tokens=1)
 
 

@@ -82,7 +82,7 @@ def _parse_method(piece: str) -> MethodSpec:
         if not eq or not value:
             raise JspecError(f"bad option {part!r} for method {name}: write key=value")
         if name not in methods.TAKES.get(key, ()):
-            takes = [k for k in methods.KINDS if name in methods.TAKES[k]]
+            takes = [k for k, takers in methods.TAKES.items() if name in takers]
             raise JspecError(f"method {name} takes no option {key!r}; " +
                              (f"its options are {', '.join(takes)}" if takes else "it takes none"))
         if key in dict(options):

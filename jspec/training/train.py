@@ -49,9 +49,9 @@ from jspec import heads
 from jspec import model as M
 from jspec.convert import store
 from jspec.errors import JspecError
+from jspec.training import distill
 
 log = logging.getLogger("jspec")
-from jspec.training import distill
 
 KEEP = 2  # checkpoints kept in OUT.train/
 
@@ -323,8 +323,9 @@ def train(lm, data_dirs, out, recipe: Recipe, eval_dirs=(), progress: bool = Tru
     info_path = ckpt_dir / "recipe.json"
     info = {"recipe": dataclasses.asdict(recipe), "data": folders[:len(data_dirs)],
             "eval_data": folders[len(data_dirs):]}
-    saved = json.loads(info_path.read_text()) if saved_steps(ckpt_dir) and info_path.exists() else {}
-    if saved_steps(ckpt_dir) and any(saved.get(k) != info[k] for k in info):  # before the long pass below
+    steps_saved = saved_steps(ckpt_dir)
+    saved = json.loads(info_path.read_text()) if steps_saved and info_path.exists() else {}
+    if steps_saved and any(saved.get(k) != info[k] for k in info):  # before the long pass below
         raise JspecError(f"{ckpt_dir} holds a run with other settings; remove it or use another --out")
     data_metas, data = load_data(folders)
     if data["top_ids"].max() >= cfg.vocab_size:
@@ -372,8 +373,8 @@ def train(lm, data_dirs, out, recipe: Recipe, eval_dirs=(), progress: bool = Tru
              "measured_step": jnp.int32(0)}
     info["sequences"] = n
     start, wall = 0, 0.0
-    if saved_steps(ckpt_dir):
-        start = saved_steps(ckpt_dir)[-1]
+    if steps_saved:
+        start = steps_saved[-1]
         # Onto the devices of the fresh state (the model's), whatever the checkpoint was saved from.
         state = store.restore(ckpt_dir / str(start), state, jax.tree.map(lambda x: x.sharding, state))
         wall = saved.get("wall_seconds", 0.0)

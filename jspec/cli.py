@@ -147,7 +147,7 @@ def check_generation_args(args: argparse.Namespace) -> None:
     """Cheap checks of the generation options, before any model is loaded."""
     from jspec.api import METHODS
     from jspec.controllers import check_ranges
-    from jspec.methods import LOSSY, TAKES, check_belongs
+    from jspec.methods import LOSSY, TAKES, check_belongs, check_exit_threshold
     from jspec.sampling import Sampling
     from jspec.sharding import parse_mesh
 
@@ -159,8 +159,8 @@ def check_generation_args(args: argparse.Namespace) -> None:
         raise JspecError(f"--batch-size must be >= 1, got {args.batch_size}")
     Sampling(args.temperature, args.top_k, args.top_p)  # raises a JspecError naming the option
     check_ranges(threshold=args.threshold, cost=args.draft_cost)
-    if args.exit_threshold is not None and not (math.isfinite(args.exit_threshold) and args.exit_threshold >= 0):
-        raise JspecError(f"--exit-threshold must be a number >= 0 (above 1: never exit), got {args.exit_threshold}")
+    if args.exit_threshold is not None:
+        check_exit_threshold(args.exit_threshold)
     if args.method in LOSSY:
         logging.getLogger("jspec").warning(
             f"--method {args.method} is lossy: its output differs from ar's (docs/methods.md measures the cost)")

@@ -293,14 +293,18 @@ def _mjsd(model, k, exit_layer, draft_model, head, beam_width, accept_threshold,
     return Beam(inner=inner, width=width, threshold=tau, tree=bool(tree)), dparams, ctrl
 
 
+def check_exit_threshold(threshold: float) -> None:
+    if not (math.isfinite(threshold) and threshold >= 0):
+        raise JspecError(f"--exit-threshold must be a number >= 0 (above 1: never exit), got {threshold}")
+
+
 def _build_specee(model, head: str | None, path: str | None, threshold: float | None, choice: str | None,
                   kv: str | None):
     """SpecEE's drafter and params: its predictors, the head they were trained over (its candidates:
     the copy in the predictors' folder unless --head names another), and the K/V rows of the layers
     an exit may skip."""
     threshold = EXIT_THRESHOLD if threshold is None else threshold
-    if not (math.isfinite(threshold) and threshold >= 0):
-        raise JspecError(f"--exit-threshold must be a number >= 0 (above 1: never exit), got {threshold}")
+    check_exit_threshold(threshold)
     choice = choice or "candidates"
     if choice not in SPECEE_CHOICES:
         raise JspecError(f"unknown exit choice {choice!r}; choose one of {', '.join(SPECEE_CHOICES)}")

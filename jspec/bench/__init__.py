@@ -366,11 +366,14 @@ def main(args) -> int:
     options = {}
     for s in specs:  # check every method's options before anything is timed
         opts = dict(s.options)
-        if isinstance(opts.get("draft_model"), str):
-            from jspec.api import load
+        try:
+            if isinstance(opts.get("draft_model"), str):
+                from jspec.api import load
 
-            opts["draft_model"] = load(opts["draft_model"], args.dtype)
-        methods.build(s.name, model, **opts)
+                opts["draft_model"] = load(opts["draft_model"], args.dtype)
+            methods.build(s.name, model, **opts)
+        except JspecError as e:  # the message names the option as a flag: say which entry set it
+            raise JspecError(f"--methods {s.label}: {e}") from None
         options[s.label] = opts
     requests = model.requests(prompts, chat=not args.no_chat)
     hf = functools.cache(lambda: bench_hf.load(args.model, args.torch_threads))  # loaded when first needed

@@ -44,6 +44,6 @@ def read_text(source, kind: str = "prompts") -> str:
         except (OSError, EOFError, zlib.error) as e:
             raise JspecError(f"{kind} file {source} is not a readable gzip file ({e})") from None
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")  # a byte-order mark (Windows editors write one) is not text
     except UnicodeDecodeError as e:
         raise JspecError(f"{kind} file {source} is not UTF-8 text ({str(e).splitlines()[0]})") from None

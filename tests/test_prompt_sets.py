@@ -68,6 +68,13 @@ def test_gzip_prompts_and_a_bad_gzip_file(tmp_path):
         read_prompts(prompt_sets.resolve("spec_bench.jsonl"))  # a set's name, not its file's
 
 
+def test_a_byte_order_mark_is_not_part_of_the_first_line(tmp_path):
+    """Windows editors start a UTF-8 file with a byte-order mark; the first prompt is still JSON."""
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "hi"}\n{"prompt": "\xc3\xa9t\xc3\xa9"}\n')
+    assert read_prompts(path) == [{"id": 0, "prompt": "hi"}, {"id": 1, "prompt": "\u00e9t\u00e9"}]
+
+
 def test_distill_data_refuses_the_shipped_evaluation_set(capsys, tmp_path):
     assert main(["distill-data", "--prompts", "spec_bench", "--out", str(tmp_path / "d")]) == 2
     err = capsys.readouterr().err

@@ -859,7 +859,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: list[str], debug: bool) -> int:
     try:
         parser = build_parser(argv)
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # argparse would blame the top-level parser; the command's help lists its options
+            raise _UsageError(f"unrecognized arguments: {' '.join(unknown)} (see {PROG} {args.command} --help)")
         return int(args.func(args) or 0)
     except SystemExit as e:  # --help, --version
         return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_USAGE)

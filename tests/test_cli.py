@@ -302,6 +302,7 @@ def test_bad_prompts_file(capsys, tmp_path, lines, phrase):
     (["--dtype", "float16"], "invalid choice"),
     (["--output", "o.jsonl"], "go with --prompts"),
     (["--prompts", "in.jsonl"], "argument --prompts: not allowed with argument PROMPT"),
+    (["--max-draft-len", "4"], "unrecognized arguments: --max-draft-len 4 (see jspec generate --help)"),
 ])
 def test_bad_options_fail_before_loading(capsys, tmp_path, args, phrase):
     assert_one_error(*run(capsys, "generate", "hi", "--model", tmp_path / "missing", *args), phrase)

@@ -45,6 +45,12 @@ CACHE_ALIGN = 64
 Prompt = str | Sequence[dict] | dict
 
 
+def _is_conversation(prompts: Any) -> bool:
+    """A list of chat messages is one prompt, not a list of prompts: prompt dicts never have a role."""
+    return (isinstance(prompts, (list, tuple)) and bool(prompts)
+            and all(isinstance(m, dict) and "role" in m for m in prompts))
+
+
 @dataclasses.dataclass
 class Request:
     """A prompt ready to run: its id, the text or messages it came from, and its token ids."""
@@ -138,11 +144,15 @@ class Model:
     def encode(self, prompt: Prompt, chat: bool = True) -> list[int]:
         """Token ids of a prompt: a string, a list of chat messages, or a dict with one of them."""
         if isinstance(prompt, dict):
-            prompt = prompt.get("messages") or prompt.get("prompt")
+            if "messages" not in prompt and "prompt" not in prompt:
+                raise JspecError(f"a prompt dict needs 'prompt', 'messages' or 'token_ids'; got keys {sorted(prompt)}")
+            prompt = prompt.get("messages", prompt.get("prompt"))
         if not (isinstance(prompt, str) or
                 isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt)):
             raise JspecError("a prompt is a string, a list of chat messages ({'role': ..., 'content': ...}) or a "
                              f"dict with 'prompt', 'messages' or 'token_ids'; got {type(prompt).__name__}")
+        if isinstance(prompt, str) and not prompt.strip():
+            raise JspecError("a prompt is empty")  # as in a prompts file (jspec.jsonl.read_prompts)
         if self.tokenizer is None:
             raise JspecError(f"model {self.name} has no tokenizer: pass token ids instead of text")
         if isinstance(prompt, str) and not chat:
@@ -175,9 +185,13 @@ class Model:
 
     # -- generation --------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Iterable[Prompt], method: str = "ar", **options) -> list[dict]:
-        """Records (id, text, token_ids, new_tokens, seconds, tokens_per_second, stats) in prompt order."""
-        if isinstance(prompts, (str, dict)):
+        """Records (id, text, token_ids, new_tokens, seconds, tokens_per_second, stats) in prompt order.
+        `prompts` is one prompt (a string, a list of chat messages, a dict with 'prompt', 'messages'
+        or 'token_ids') or an iterable of them."""
+        if isinstance(prompts, (str, dict)) or _is_conversation(prompts):
             prompts = [prompts]
+        elif not isinstance(prompts, Iterable):
+            raise JspecError(f"prompts must be a prompt or an iterable of prompts, got {type(prompts).__name__}")
         chat = options.pop("chat", True)
         if not isinstance(chat, bool):
             raise JspecError(f"chat must be True or False, got {chat!r}")

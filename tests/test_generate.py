@@ -225,9 +225,16 @@ def test_bad_requests_are_explained(tiny):
         tiny.generate([{"token_ids": []}])
     with pytest.raises(JspecError, match="has no tokenizer"):
         tiny.generate(["some text"])
-    for bad in ([5], [[1, 2, 3]], [{"role": "user", "content": "hi"}]):  # ids belong in {"token_ids": ...}
+    for bad in ([5], [[1, 2, 3]]):  # ids belong in {"token_ids": ...}
         with pytest.raises(JspecError, match="a prompt is a string, a list of chat messages"):
             tiny.generate(bad)
+    with pytest.raises(JspecError, match="prompts must be a prompt or an iterable of prompts, got int"):
+        tiny.generate(5)
+    with pytest.raises(JspecError, match=r"a prompt dict needs 'prompt', 'messages' or 'token_ids'; got keys \['te"):
+        tiny.generate([{"text": "hi"}])
+    for blank in ("", "  \n"):  # refused as in a prompts file, before the missing tokenizer
+        with pytest.raises(JspecError, match="a prompt is empty"):
+            tiny.generate(blank)
     with pytest.raises(JspecError, match="token_ids must be integers"):
         tiny.generate([{"token_ids": ["1", "2"]}])
     for name in ("max_new_tokens", "batch_size", "seed"):
@@ -269,6 +276,11 @@ def test_chat_messages_must_hold_strings(default_model):
     for message in ({"role": "user", "content": 5}, {"role": "user"}, {"role": 3, "content": "x"}):
         with pytest.raises(JspecError, match='chat messages: message 0 must be an object with string "role" and "content"'):
             default_model.generate([[message]], max_new_tokens=1)
+    # A bare list of messages is one conversation, not a list of prompts.
+    conversation = [{"role": "user", "content": "Name a prime."}]
+    [alone] = default_model.generate(conversation, max_new_tokens=3)
+    [listed] = default_model.generate([conversation], max_new_tokens=3)
+    assert alone["token_ids"] == listed["token_ids"] and alone["prompt_tokens"] == listed["prompt_tokens"]
 
 
 @pytest.fixture(scope="module")

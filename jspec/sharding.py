@@ -66,8 +66,14 @@ def parse_mesh(spec: str) -> dict[str, int]:
 
 def make_mesh(spec: str | Mesh | None) -> Mesh | None:
     """'data=2,model=4' -> Mesh over the first data*model devices; either axis may be left out."""
-    if spec is None or isinstance(spec, Mesh):
+    if isinstance(spec, Mesh):
+        if set(spec.axis_names) != {"data", "model"}:  # the sharding rules name these two axes
+            raise JspecError(f"a mesh needs the axes 'data' and 'model', this one has {spec.axis_names}")
         return spec
+    if spec is None:
+        return None
+    if not isinstance(spec, str):
+        raise JspecError(f"mesh takes 'data=N,model=M' or a jax.sharding.Mesh, got {spec!r}")
     sizes = parse_mesh(spec)
     need, have = sizes["data"] * sizes["model"], len(jax.devices())
     if need > have:

@@ -248,6 +248,10 @@ def test_make_mesh():
     assert make_mesh(mesh) is mesh
     custom = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "model"))
     assert make_mesh(custom) is custom
+    with pytest.raises(JspecError, match=r"a mesh needs the axes 'data' and 'model', this one has \('x', 'y'\)"):
+        make_mesh(Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("x", "y")))
+    with pytest.raises(JspecError, match="mesh takes 'data=N,model=M' or a jax.sharding.Mesh, got 8"):
+        make_mesh(8)
 
 
 @pytest.mark.parametrize("bad", ["data:2", "data=two", "data=0", "data=-1", "rows=2", "data=2;model=4", "model",

@@ -191,6 +191,9 @@ def test_split_never_puts_a_prompt_on_both_sides(lm, data, tmp_path):
         tr, ev = train.split(d["prompt_key"], fraction, seed=3)
         assert len(tr) + len(ev) == len(d["prompt_key"]) and len(ev) and len(tr)
         assert not set(d["prompt_key"][tr]) & set(d["prompt_key"][ev])
+    few = np.repeat(d["prompt_key"][:4], 2)  # four prompts, two rows each: 1% holds out one prompt
+    tr, ev = train.split(few, 0.01, seed=3)
+    assert len(ev) == 2 and len(set(few[ev])) == 1 and not set(few[tr]) & set(few[ev])
     held = d["prompt_key"][d["folder"] == 0][:5]
     tr, ev = train.split(d["prompt_key"], 0, 0, held)
     assert set(d["prompt_key"][ev]) == set(held) and not set(d["prompt_key"][tr]) & set(held)

@@ -139,11 +139,14 @@ def load_data(folders) -> tuple[list[dict], dict]:
 
 def split(keys: np.ndarray, fraction: float, seed: int, held_keys: np.ndarray | None = None):
     """(training rows, held-out rows) of rows named by their prompt keys [N]: every row of a prompt
-    on one side. Held out: the prompts of `held_keys` when given, else a seeded `fraction` of them."""
+    on one side. Held out: the prompts of `held_keys` when given, else a seeded `fraction` of them,
+    at least one where there are two or more (a small data set would often hold out none)."""
     if held_keys is None:
         salted = np.array([distill.prompt_key(np.array([seed, k >> 32, k & 0xFFFFFFFF], np.int64).view(np.int32))
                            for k in keys.tolist()], np.uint64)
         held = salted < np.uint64(fraction * 2.0 ** 64)
+        if fraction > 0 and not held.any() and len(np.unique(keys)) > 1:
+            held = salted == salted.min()
     else:
         held = np.isin(keys, held_keys)
     return np.flatnonzero(~held), np.flatnonzero(held)
@@ -334,7 +337,8 @@ def train(lm, data_dirs, out, recipe: Recipe, eval_dirs=(), progress: bool = Tru
     train_rows, eval_rows = held_out(data, len(data_dirs), recipe.eval_fraction, recipe.seed)
     if len(train_rows) < recipe.batch_size or not len(eval_rows):
         raise JspecError(f"the data has {len(train_rows)} training and {len(eval_rows)} held-out sequences: "
-                         f"too few for a batch of {recipe.batch_size} and a held-out set")
+                         f"too few for a batch of {recipe.batch_size} and a held-out set (more prompts in "
+                         "distill-data --count, a larger --eval-fraction, or --eval-data DIR)")
     started_from = None
     if recipe.init:
         hp, started_from = start_head(lm, recipe)

@@ -28,7 +28,6 @@ def test_quickstart_notebook_runs(tmp_path):
     assert any(o.get("output_type") == "display_data" for c in nb.cells for o in c.get("outputs", []))  # the plot
 
 
-
 # Runs the notebook's install cell in IPython with %pip recorded, in a child process: an IPython
 # shell replaces sys.modules["__main__"], which this worker's later tests should not inherit.
 RECORD_INSTALL_CELL = """

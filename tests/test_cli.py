@@ -379,6 +379,7 @@ def test_env_names_versions_devices_and_cache(capsys, tmp_path, monkeypatch):
     import jax
 
     import jspec.cli
+    from jspec import compilation_cache
     from jspec.convert import cache
 
     folder = tmp_path / "cache"  # the autouse fixture's JSPEC_CACHE
@@ -387,6 +388,8 @@ def test_env_names_versions_devices_and_cache(capsys, tmp_path, monkeypatch):
         (folder / name / "params" / "weights").write_bytes(bytes(2_000_000))
         (folder / name / "jspec.json").write_text(json.dumps({"format": fmt, "dtype": name.split("-")[1]}))
     (folder / ".tiny-float32.x1y2").mkdir()  # what an interrupted conversion leaves
+    (folder / "xla").mkdir()  # compiled programs (the default compilation cache on an accelerator)
+    (folder / "xla" / "jit_generate-0123-cache").write_bytes(bytes(300_000))
     monkeypatch.setattr(jspec.cli, "ENV_PACKAGES", (*jspec.cli.ENV_PACKAGES, "no-such-package"))
 
     def no_loading(*args, **kwargs):
@@ -413,6 +416,8 @@ def test_env_names_versions_devices_and_cache(capsys, tmp_path, monkeypatch):
     assert rows["  old-bfloat16"].startswith(f"bfloat16, format {store.FORMAT - 1} (current: {store.FORMAT}; "
                                              "converted again on next use), 2.0 MB")
     assert rows["  .tiny-float32.x1y2"].startswith("not a converted model")
+    assert rows["  xla"] == "compiled programs (the default compilation cache), 0.3 MB"
+    assert rows["compilation cache"] == compilation_cache.describe()  # its rules: test_compilation_cache.py
 
 
 def test_env_is_cheap(tmp_path):

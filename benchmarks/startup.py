@@ -47,7 +47,8 @@ def main() -> None:
         outputs = set()
         with tempfile.TemporaryDirectory() as folder:
             off, on = {"JAX_ENABLE_COMPILATION_CACHE": "false"}, {"JAX_COMPILATION_CACHE_DIR": folder}
-            for column, env in [(columns[0], off), (columns[1], on)] + [(columns[2], on), (columns[0], off)] * args.runs:
+            runs = [(columns[0], off), (columns[1], on)] + [(columns[2], on), (columns[0], off)] * args.runs
+            for column, env in runs:
                 t, text = timed(argv, env)
                 seconds[column].append(t)
                 outputs.add(text)

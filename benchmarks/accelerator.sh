@@ -2,9 +2,9 @@
 # The Spec-Bench comparison on whatever accelerator JAX sees (a GPU or TPU build of jax): every
 # jspec method with its defaults, prompt lookup in front of the heads and SpecEE (the fastest
 # settings on a CPU), and two heads' top 4 side by side (--candidates 4, which a CPU's wider
-# verification eats, docs/benchmarks.md, "Candidates side by side"), batch 1 and 8, bfloat16, greedy, into
-# docs/benchmarks-accelerator.md, whose report names the device (jax.devices()[0].device_kind)
-# and the date. No HF peers: they run torch on the CPU, which is not what this page measures.
+# verification eats, docs/journal/2026-11-27_candidates-side-by-side.md), batch 1 and 8, bfloat16,
+# greedy, into docs/benchmarks-accelerator.md, whose report names the device
+# (jax.devices()[0].device_kind) and the date. No HF peers: they run torch on the CPU, which is not what this page measures.
 #
 # Run from anywhere. Resumable, like run_all.sh: after an interruption (or a per-command time
 # limit) run it again; the rows already in $OUTPUT are kept. Delete that file to start afresh.
@@ -16,8 +16,10 @@
 #   PROMPTS         a prompts file or shipped set (default: spec_bench, Spec-Bench's questions)
 #   LIMIT           questions per category (default: 5, 65 questions; empty: all 480)
 #   MAX_NEW_TOKENS  (default: 128)
-#   OUTPUT, PAGE    the results JSONL and the report page (default: benchmarks/results_accelerator.jsonl,
-#                   docs/benchmarks-accelerator.md); the plots go to img/accelerator beside PAGE
+#   OUTPUT, PAGE    the results JSONL and the report page (default: benchmarks/results/DATE_accelerator.jsonl,
+#                   DATE today's, YYYY-MM-DD, so the default resumes within a day; and
+#                   docs/benchmarks-accelerator.md); the plots go to img/accelerator beside PAGE.
+#                   Set OUTPUT to one file to resume a run across days.
 # Relative paths are taken from the repository root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +27,7 @@ cd "$(dirname "$0")/.."
 DRAFT=build/smollm2-135m-draft  # the draft model of run_all.sh (benchmarks/make_draft_model.py)
 METHODS=${METHODS:-"ar,draft:draft_model=$DRAFT,early-exit,eesd,kangaroo,eagle,knn-ssd,layer-skip,ngram,mjsd,specee,eesd:lookup=2,kangaroo:lookup=2,eagle:lookup=2,specee:lookup=2,eagle:candidates=4,kangaroo:candidates=4"}
 LIMIT=${LIMIT-5}
-OUTPUT=${OUTPUT:-benchmarks/results_accelerator.jsonl}
+OUTPUT=${OUTPUT:-benchmarks/results/$(date +%F)_accelerator.jsonl}
 PAGE=${PAGE:-docs/benchmarks-accelerator.md}
 
 case $METHODS in

@@ -19,8 +19,8 @@ import dataclasses
 import jax.numpy as jnp
 
 import jspec
-from jspec import heads, methods
 from jspec.convert import store
+from jspec.parts import heads, shipped
 
 
 def main() -> None:
@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("out", help="folder to write the draft model to")
     args = ap.parse_args()
     target = jspec.load()
-    hp, meta = heads.load(methods.shipped(target, "eesd"), target.cfg)
+    hp, meta = heads.load(shipped.find(target, "eesd"), target.cfg)
     n = meta["exit_layer"]
     dtype = target.params["embed"].dtype
     exit_layers = [{k: jnp.asarray(v, dtype) for k, v in lp.items()} for lp in hp["layers"]]

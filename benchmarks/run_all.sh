@@ -2,10 +2,14 @@
 # Regenerate the first section of docs/benchmarks.md and docs/img/bench_*.png (see benchmarks/README.md).
 #
 # Run from anywhere, on a quiet machine (other load distorts every number, torch's most of all).
-# Resumable: after an interruption, run this script again; rows already in
-# benchmarks/results.jsonl are kept. Delete that file to measure everything afresh.
+# The rows go to benchmarks/results/DATE_run-all.jsonl, DATE today's (YYYY-MM-DD): the newest
+# dated run-all file there is the one the table in docs/benchmarks.md came from.
+# Resumable within a day: after an interruption, run this script again the same day; rows already
+# in that day's file are kept (on another day it starts a new file). Delete the file to measure
+# everything afresh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+OUTPUT=benchmarks/results/$(date +%F)_run-all.jsonl
 
 # The draft model of `--method draft` (no offline model shares SmolLM2's tokenizer): the default
 # model's first N layers and its shipped EESD head's layers as one model: 4 + 2 with the head shipped now
@@ -21,5 +25,5 @@ jspec bench \
     --limit 1 \
     --max-new-tokens 128 --batch-size 1 --batch-sizes 1,8 --batch-methods "ar,ngram,eagle,kangaroo,kangaroo:lookup=2" \
     --hf \
-    --output benchmarks/results.jsonl --resume \
+    --output "$OUTPUT" --resume \
     --markdown docs/benchmarks.md --plots docs/img

@@ -5,17 +5,14 @@
     [r] = m.generate(["Name three primes."], max_new_tokens=64)
     print(r["text"], r["tokens_per_second"])
 
-Prompts of similar length are batched together (`batch_size` rows per compiled call, a short
-last batch padded to a power of two; see `batches` and `batch_rows`) and packed end to end for
-the prefill (`pack`), to length buckets, so a program is compiled once per (batch rows, prompt
-bucket, packed bucket, max_new_tokens, sampling, method) and never per prompt. Compilation
-happens before the clock starts: `seconds` is the wall time of the batch that produced a
-record, prefill included.
+Prompts of similar length are batched together and packed end to end for the prefill
+(jspec.batching), so a program is compiled once per (batch rows, prompt bucket, packed bucket,
+max_new_tokens, sampling, method) and never per prompt. Compilation happens before the clock
+starts: `seconds` is the wall time of the batch that produced a record, prefill included.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import time
@@ -25,22 +22,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec import compilation_cache, distributed, sharding
-from jspec.config import ModelConfig
-from jspec.convert import cache as model_cache
-from jspec.convert import store
-from jspec import methods
+from jspec import compilation_cache, distributed, methods
+from jspec.batching import Request, batch_rows, batches, pack
+from jspec.convert import cache as model_cache, store
 from jspec.engine import loop
+from jspec.engine.sampling import Sampling
 from jspec.errors import JspecError
 from jspec.jsonl import check_messages
-from jspec.model import KVCache, Packing, param_shapes
-from jspec.sampling import Sampling
+from jspec.model import sharding
+from jspec.model.config import ModelConfig
+from jspec.model.decoder import KVCache, Packing
+from jspec.model.layout import param_shapes
 from jspec.tokenizer import Tokenizer
 
-METHODS = methods.METHODS
-MIN_PROMPT_BUCKET = 32
-PROMPT_STEP = 128
-CACHE_ALIGN = 64
+CACHE_ALIGN = 64  # cache lengths are multiples of this: fewer programs
 
 Prompt = str | Sequence[dict] | dict
 
@@ -49,15 +44,6 @@ def _is_conversation(prompts: Any) -> bool:
     """A list of chat messages is one prompt, not a list of prompts: prompt dicts never have a role."""
     return (isinstance(prompts, (list, tuple)) and bool(prompts)
             and all(isinstance(m, dict) and "role" in m for m in prompts))
-
-
-@dataclasses.dataclass
-class Request:
-    """A prompt ready to run: its id, the text or messages it came from, and its token ids."""
-
-    id: Any
-    token_ids: list[int]
-    index: int = 0  # position in the caller's full prompt list: seeds follow it across resumes
 
 
 def load(model: str | None = None, dtype: str = "float32", mesh: str | jax.sharding.Mesh | None = None) -> "Model":
@@ -75,64 +61,10 @@ def load(model: str | None = None, dtype: str = "float32", mesh: str | jax.shard
     if distributed.is_writer():
         distributed.barrier("jspec.load")
     cfg, meta = store.read_meta(path)
-    shardings = sharding.param_shardings(param_shapes(cfg), mesh) if mesh is not None else None
+    shardings = sharding.shardings(param_shapes(cfg), mesh) if mesh is not None else None
     cfg, params, tokenizer = store.load(path, dtype, shardings)
     default = model is None or model_cache.is_default(meta["source"])
     return Model(cfg, params, tokenizer, mesh, name=model_cache.DEFAULT_MODEL if default else model)
-
-
-def prompt_bucket(n: int) -> int:
-    """Padded prompt length: powers of two up to 128, then multiples of 128. Prefill is compute
-    bound on a CPU, so padding a 600-token prompt to 1024 would cost it 70% more."""
-    if n <= PROMPT_STEP:
-        return max(MIN_PROMPT_BUCKET, 1 << (n - 1).bit_length())
-    return -(-n // PROMPT_STEP) * PROMPT_STEP
-
-
-def pack(prompts: Sequence[Sequence[int]], packed_rows: int = 1) -> tuple[np.ndarray, Packing]:
-    """Lay B prompts end to end in packed_rows rows (which must divide B) for one prefill:
-    tokens [R, T] and their `Packing`, as NumPy. A packed row of m prompts is m times the bucket
-    of their mean length long, so it hardly ever exceeds what padding each to the longest would
-    cost, and as few shapes compile as with padding."""
-    b = len(prompts)
-    per_row = b // packed_rows
-    lens = np.asarray([len(p) for p in prompts], np.int32)
-    total = max(int(lens[r * per_row:(r + 1) * per_row].sum()) for r in range(packed_rows))
-    t = per_row * prompt_bucket(-(-total // per_row))
-    p = prompt_bucket(int(lens.max()))
-    tokens = np.zeros((packed_rows, t), np.int32)
-    segment = np.full((packed_rows, t), -1, np.int32)
-    positions = np.zeros((packed_rows, t), np.int32)
-    source = np.zeros((b, p), np.int32)
-    for row in range(b):
-        r = row // per_row
-        start = int(lens[r * per_row:row].sum())
-        tokens[r, start:start + lens[row]] = prompts[row]
-        segment[r, start:start + lens[row]] = row
-        positions[r, start:start + lens[row]] = np.arange(lens[row])
-        source[row] = start + np.minimum(np.arange(p), lens[row] - 1)
-    return tokens, Packing(segment, positions, source, lens)
-
-
-def batches(requests: Sequence[Request], batch_size: int) -> list[list[Request]]:
-    """Split requests into batches, shortest prompts first (ties in the given order).
-
-    A batch is prefilled at its longest prompt's padded length and decodes until its last row
-    stops, so a short prompt batched with a long one pays for the long one. Sorting keeps a
-    resumed run's batches those of the uninterrupted run: the finished prompts were its first
-    batches, and the rest sort the same way.
-    """
-    ordered = sorted(requests, key=lambda r: len(r.token_ids)) if batch_size > 1 else list(requests)
-    return [ordered[i:i + batch_size] for i in range(0, len(ordered), batch_size)]
-
-
-def batch_rows(n: int, batch_size: int, shards: int = 1) -> int:
-    """Rows of the program that runs a batch of n requests: batch_size, or for a last batch short
-    of it the next power of two (a multiple of the data shards). Padding rows are not free: each
-    reads its cache every step, which a batch of long prompts pays for as much as for the weights;
-    powers of two keep the extra programs to log2(batch_size)."""
-    rows = 1 << (n - 1).bit_length()
-    return rows if rows < batch_size and rows % shards == 0 else batch_size
 
 
 class Model:
@@ -218,16 +150,14 @@ class Model:
         Sampling keys follow the index of each batch's first request, so a resumed run samples
         what the uninterrupted run would have (for the same batch size).
         """
-        unknown = sorted(method_options.keys() - methods.TAKES.keys())
+        unknown = sorted(method_options.keys() - methods.OPTIONS.keys())
         if unknown:
             raise JspecError(f"unknown option {unknown[0]!r}; generate takes max_new_tokens, batch_size, temperature, "
                              "top_k, top_p, seed, logprobs, chat and the options of jspec.methods.build")
         for name, value in (("temperature", temperature), ("top_p", top_p)):
             if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, bool):
                 raise JspecError(f"{name} must be a number, got {value!r}")
-        draft_model = method_options.get("draft_model")
-        if isinstance(draft_model, (str, os.PathLike)) and method in methods.TAKES["draft_model"]:
-            method_options["draft_model"] = load(draft_model, self._dtype_name())
+        method_options = self.load_models(method, method_options)
         plan = methods.build(method, self, **method_options)
         for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size), ("seed", seed),
                             ("logprobs", logprobs), ("top_k", top_k)):
@@ -251,6 +181,14 @@ class Model:
                     f"prompt {r.id!r} has {len(r.token_ids)} tokens; with --max-new-tokens {max_new_tokens} "
                     f"that exceeds the model's context of {context}")
         return self._batches(list(requests), batch_size, max_new_tokens, sampling, seed, plan, logprobs)
+
+    def load_models(self, method: str, options: dict) -> dict:
+        """`options` with each model option (a draft model) that names a path loaded in this
+        model's dtype, where `method` takes it (otherwise jspec.methods.check refuses it)."""
+        loaded = {name: load(value, self._dtype_name()) for name, value in options.items()
+                  if isinstance(value, (str, os.PathLike)) and name in methods.OPTIONS
+                  and methods.OPTIONS[name].type == "model" and method in methods.TAKES[name]}
+        return {**options, **loaded}
 
     def _batches(self, requests, batch_size, max_new_tokens, sampling, seed, plan, logprobs) -> Iterator[dict]:
         for batch in batches(requests, batch_size):
@@ -304,7 +242,7 @@ class Model:
             return jnp.asarray(tokens), jax.tree.map(jnp.asarray, packing), jnp.asarray(eos)
         rows = lambda x: distributed.rows_array(x, sharding.rows_sharding(self.mesh, x.shape))
         return (rows(tokens), jax.tree.map(rows, packing),
-                distributed.rows_array(eos, sharding.NamedSharding(self.mesh, sharding.P())))
+                distributed.rows_array(eos, sharding.replicated(self.mesh)))
 
     def _cache(self, rows: int, length: int) -> KVCache:
         cache = self._caches.pop((rows, length), None)
@@ -353,3 +291,12 @@ class Model:
                 "acceptance_rate": round(stats["accepted"] / stats["drafted"], 4) if stats["drafted"] else None,
             },
         }
+
+
+def steady_run(model, run):
+    """`run()`, and once more if it compiled a program: a program's first run pays for its first
+    execution (a second or more on a long prompt's bucket), so the second run is the one to time.
+    For scripts that time runs one by one; `run_jspec` warms each program before its clock instead."""
+    programs = len(model.programs())
+    out = run()
+    return run() if len(model.programs()) > programs else out

@@ -150,11 +150,11 @@ def on_mesh(model, mesh: str):
     jspec's rules, as jspec.load(path, mesh=...) places a converted one."""
     import jax
 
-    from jspec import sharding
     from jspec.api import Model
+    from jspec.model import sharding
 
     devices = sharding.make_mesh(mesh)
-    params = jax.device_put(model.params, sharding.param_shardings(model.params, devices))
+    params = jax.device_put(model.params, sharding.shardings(model.params, devices))
     return Model(model.cfg, params, mesh=devices, name=model.name)
 
 
@@ -175,10 +175,10 @@ def use_native(monkeypatch):
     program traced under a switch outlives the test."""
     import jax
 
-    from jspec import native
+    from jspec.model import kernels
 
     def switch(on: bool) -> None:
-        monkeypatch.setattr(native, "enabled", on)
+        monkeypatch.setattr(kernels, "enabled", on)
         jax.clear_caches()
 
     yield switch
@@ -266,8 +266,8 @@ def default_tokenizer():
 # The suite runs on two xdist workers that take whole files (pyproject.toml). Handing out the
 # longest files first keeps both busy to the end; xdist's own order (most tests first) left the
 # one-test notebook file, two minutes, to run alone last. Ordered by the 2026-11-23 runs' --durations.
-LONGEST_FIRST = ["test_spec.py", "test_heads.py", "test_notebook.py", "test_sharding.py", "test_generate.py",
-                 "test_mjsd.py", "test_knn_ssd.py", "test_bench.py", "test_native.py", "test_specee.py",
+LONGEST_FIRST = ["test_lossless.py", "test_train_head.py", "test_notebook.py", "test_sharding.py", "test_api.py",
+                 "test_beam.py", "test_knn_ssd.py", "test_bench.py", "test_kernels.py", "test_specee.py",
                  "test_tokenizer.py", "test_distributed.py"]
 
 

@@ -16,8 +16,8 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import TINY
+
 from jspec import cli
 
 pytestmark = pytest.mark.slow  # each run starts two Python processes that compile the loop

@@ -10,11 +10,15 @@ import tomllib
 from pathlib import Path
 
 import pytest
+
 import jspec
-from jspec import bench, methods, prompt_sets
-from jspec.cli import build_parser, main
+from jspec import prompt_sets
+from jspec.bench.specs import read_bench_prompts
+from jspec.cli import main
+from jspec.cli.main import build_parser
 from jspec.errors import JspecError
 from jspec.jsonl import read_prompts
+from jspec.parts import shipped
 
 ROWS = {"spec_bench": 480, "train_prompts": 13931, "domains/translation": 2000, "domains/summarization": 1092,
         "domains/qa": 2000, "domains/text_to_sql": 1990, "domains/story_writing": 1500, "domains/rag": 1136}
@@ -31,7 +35,7 @@ def test_every_set_loads_from_any_directory():
     for name, rows in ROWS.items():
         source = prompt_sets.resolve(name)
         assert source.is_file() and source.name.endswith(".jsonl.gz"), source
-        prompts = bench.read_bench_prompts(source)
+        prompts = read_bench_prompts(source)
         assert len(prompts) == rows, name
         assert all(p["prompt"].strip() for p in prompts)
         if name != prompt_sets.SPEC_BENCH:
@@ -39,14 +43,14 @@ def test_every_set_loads_from_any_directory():
 
 
 def test_spec_bench_is_the_published_question_file():
-    prompts = bench.read_bench_prompts(prompt_sets.resolve("spec_bench"), limit=1)
+    prompts = read_bench_prompts(prompt_sets.resolve("spec_bench"), limit=1)
     assert len(prompts) == 13 == len({p["category"] for p in prompts})  # one question of each category
     assert prompts[0]["id"] == 81 and prompts[0]["category"] == "writing"
 
 
 @pytest.mark.parametrize("command, default", [("bench", "spec_bench"), ("distill-data", "train_prompts")])
 def test_defaults_are_shipped_sets(capsys, command, default):
-    args = build_parser([command]).parse_args([command, "--out" if command == "distill-data" else "--output", "o"])
+    args = build_parser().parse_args([command, "--out" if command == "distill-data" else "--output", "o"])
     # distill-data takes several sets (its default, one); bench one.
     [given] = args.prompts if command == "distill-data" else [args.prompts]
     assert given == default and prompt_sets.resolve(given).is_file()
@@ -59,7 +63,7 @@ def test_gzip_prompts_and_a_bad_gzip_file(tmp_path):
     good = tmp_path / "in.jsonl.gz"
     good.write_bytes(gzip.compress(b'{"id": "a", "prompt": "hi"}\n{"prompt": "yo", "category": "x"}\n'))
     assert read_prompts(good) == [{"id": "a", "prompt": "hi"}, {"id": 1, "prompt": "yo"}]
-    assert [p["category"] for p in bench.read_bench_prompts(good)] == ["all", "x"]
+    assert [p["category"] for p in read_bench_prompts(good)] == ["all", "x"]
     bad = tmp_path / "bad.jsonl.gz"
     bad.write_text(json.dumps({"prompt": "not compressed"}) + "\n")
     with pytest.raises(JspecError, match="bad.jsonl.gz is not a readable gzip file"):
@@ -88,6 +92,6 @@ def test_what_commands_read_by_default_is_package_data():
     root = Path(jspec.__file__).parent
     pyproject = tomllib.loads((root.parent / "pyproject.toml").read_text())
     packaged = {p for pattern in pyproject["tool"]["setuptools"]["package-data"]["jspec"] for p in root.glob(pattern)}
-    shipped = {p for folder in ("data", "checkpoints") for p in (root / folder).rglob("*") if p.is_file()}
-    assert len(shipped) > 80 and not shipped - packaged, sorted(str(p.relative_to(root)) for p in shipped - packaged)
-    assert methods.SHIPPED.parent == root
+    files = {p for folder in ("data", "checkpoints") for p in (root / folder).rglob("*") if p.is_file()}
+    assert len(files) > 80 and not files - packaged, sorted(str(p.relative_to(root)) for p in files - packaged)
+    assert shipped.CHECKPOINTS.parent == root

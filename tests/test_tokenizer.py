@@ -16,8 +16,7 @@ from pathlib import Path
 
 import gguf
 import pytest
-from tokenizers import Tokenizer as Pipeline
-from tokenizers import models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as Pipeline, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer
 
 from jspec.convert.cache import default_gguf

@@ -1,7 +1,7 @@
 """What fits where: bfloat16 weights + jspec's KV cache per chip, for Llama shapes on TPU meshes.
 
-Computed from jspec's own parameter shapes (`jspec.model.param_shapes`) and sharding rules
-(`jspec.sharding.RULES`, `CACHE_RULE`): a dimension splits over its mesh axis only when the axis
+Computed from jspec's own parameter shapes (`jspec.model.layout.param_shapes`) and sharding rules
+(`jspec.model.sharding.RULES`, `CACHE_RULE`): a dimension splits over its mesh axis only when the axis
 size divides it, as in jspec. The KV cache is float32 (jspec keeps activations and the cache in
 float32, docs/design.md "Batch invariance"), sized for `--batch-size` rows per data shard and a
 context of prompt + new tokens + the verification's K + 1.
@@ -17,9 +17,9 @@ import math
 
 import jax
 
-from jspec import sharding
-from jspec.config import ModelConfig
-from jspec.model import param_shapes
+from jspec.model import sharding
+from jspec.model.config import ModelConfig
+from jspec.model.layout import param_shapes
 
 GIB = 1024 ** 3
 # Llama 3.2 1B, Llama 3.1 8B and 70B (their config.json values).

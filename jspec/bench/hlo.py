@@ -2,7 +2,7 @@
 
 XLA copies a buffer that a conditional's branch updates in place, and a copy of the cache inside
 the decoding loop is paid every round (docs/design.md, "No cache inside a conditional"). The
-tests assert none is left; benchmarks/cache_copies.py prints the counts per method.
+tests assert none is left; benchmarks/probes/cache_copies.py prints the counts per method.
 """
 
 from __future__ import annotations

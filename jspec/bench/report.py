@@ -77,7 +77,7 @@ def _hf_libraries() -> dict:
     return found
 
 
-def _libraries(m: dict) -> str:
+def libraries(m: dict) -> str:
     """", torch 2.13.0 (2 threads), transformers 5.23.0", or what of it was recorded."""
     threads = f" ({m['torch_threads']} threads)" if m.get("torch_threads") else ""
     torch = f", torch {m['torch']}{threads}" if m.get("torch") else ""
@@ -292,7 +292,7 @@ class Report:
             f"tokens; batch {self.main}; median of {a.repeats} timed run(s) after an untimed warm-up of each "
             "compiled shape.",
             f"- Machine: {m['cpu']}, {m['cpus']} CPUs ({m['usable_cpus']} usable), {m['os']}; Python {m['python']}, "
-            f"jax {m['jax']} on {m['jax_device']}{_libraries(m)}; load average at the end {m['load_average']}; "
+            f"jax {m['jax']} on {m['jax_device']}{libraries(m)}; load average at the end {m['load_average']}; "
             f"{m['date']}.",
         ])
 
@@ -319,7 +319,7 @@ class Report:
         if self.lossy_labels():
             out += [f"### Lossy methods: quality (batch {b})", "", self.quality_table(), "",
                     "NLL: mean negative log-likelihood per generated token under the full model, teacher-forced "
-                    "(jspec/quality.py), beside `ar`'s on the same questions; the 95% interval of its change "
+                    "(jspec/bench/quality.py), beside `ar`'s on the same questions; the 95% interval of its change "
                     "resamples the questions as the speedup's does. Tokens identical to ar: the "
                     "fraction of ar's positions where the method wrote the same token. Mean layers: layers run "
                     "per decoded token.", ""]

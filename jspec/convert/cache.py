@@ -45,8 +45,8 @@ def is_default(source: str) -> bool:
 
 def _check_source(src: str) -> None:
     """Fail with the clean error (missing, not cached, unsupported) before announcing a conversion."""
-    from jspec.config import ModelConfig
     from jspec.convert.hf import read_config, resolve_hf_dir
+    from jspec.model.config import ModelConfig
 
     if src.endswith(".gguf"):
         if not Path(src).is_file():

@@ -24,8 +24,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
-from tokenizers import Tokenizer as Pipeline
+from tokenizers import AddedToken, Regex, Tokenizer as Pipeline, decoders, models, pre_tokenizers, processors
 
 from jspec.errors import JspecError
 from jspec.tokenizer import Tokenizer

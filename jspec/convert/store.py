@@ -21,9 +21,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jspec import model
-from jspec.config import ModelConfig
 from jspec.errors import JspecError
+from jspec.model import layout
+from jspec.model.config import ModelConfig
 from jspec.tokenizer import Tokenizer
 
 # 5: jspec's own tokenizer files, loaded without transformers (and SmolLM2 splits digits as it should).
@@ -71,7 +71,7 @@ def convert(src: str, out: str | os.PathLike, dtype: str = "float32") -> Path:
         # Chat models end turns with their own token (<|im_end|>, <|eot_id|>): stop there too.
         eos = {tokenizer.eos_token_id, *cfg.eos_token_ids} - {None}
         cfg = ModelConfig.from_json({**cfg.to_json(), "eos_token_ids": sorted(eos)})
-    params = model.params_from_hf(cfg, tensors, DTYPES[dtype])
+    params = layout.params_from_hf(cfg, tensors, DTYPES[dtype])
     del tensors
     return save(out, cfg, params, tokenizer, dtype, str(src))
 
@@ -168,7 +168,7 @@ def load(path: str | os.PathLike, dtype: str | None = None, shardings=None):
     path = Path(path).absolute()
     cfg, meta = read_meta(path)
     stored = DTYPES[meta["dtype"]]
-    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, stored), model.param_shapes(cfg),
+    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, stored), layout.param_shapes(cfg),
                           is_leaf=lambda x: isinstance(x, tuple))
     params = restore(path / "params", target, shardings)
     if dtype is not None and DTYPES[dtype] != stored:

@@ -1,67 +1,56 @@
-"""What every drafter provides, and the token-by-token drafting loop most of them share.
+"""What every drafter provides, the wrapper base, and the token-by-token drafting loop most share.
 
 A drafter is a static, hashable config (`max_draft` = K and its own options); its weights, if
-any, travel separately as `dparams`. It implements
+any, travel separately as `dparams`, and its state between rounds as `dstate` (a pytree of its own
+type). It implements
 
     prefill(params, dparams, cfg, tokens, packing, cache) -> (h_last [B, D], cache, dstate)
     draft(params, dparams, cfg, state: LoopState, controller, sampling, key) -> Draft
     verify(params, dparams, cfg, tokens [B, K+1], positions [B, K+1], cache, dstate) -> (h, cache)
 
-and may override `target_logits` (what the loop accepts against), `accepted` (what it keeps of a
-round's verification) and `stats` (extra counters).
+and may override the other hooks of `Drafter`: `target_logits` (what the loop accepts against),
+`accepted` (what it keeps of a round's verification), `stats` (extra counters), those a wrapper
+asks of the drafter it wraps (`room`, `feed`: prompt lookup in front of it) and those MJSD's beams
+ask of theirs (`beam_stack`, `beam_drafted`, `tree_verified`).
 
 A drafter with `candidates` = C > 0 proposes C alternatives for the one position after the last
 committed token instead of a chain (its top C, `draft_candidates`), in every row, or behind
 prompt lookup in the rows its Draft marks as `alternatives` (a round that copied is a chain): such
 a row feeds [last, c_1 .. c_C] at positions [p, p+1, .., p+1], every forward over a round's tokens
-attends with `siblings` (model.block_attention, which the positions tell what each token sees),
+attends with `siblings` (attention.block_attention, which the positions tell what each token sees),
 and after acceptance `keep_candidate` moves the accepted one's cache entries to p + 1.
 
 `verify` returns the target's final hidden states for the fed tokens; the default runs the whole
 target, and self-speculative drafters override it to reuse work done while drafting.
+
+A `Wrapper` runs another drafter (`inner`) and adds to it (prompt lookup in front, MJSD's beams):
+its params and state are `Wrapped` (the inner drafter's, and its own), and every hook it does not
+override forwards to the inner drafter, so a wrapper states only what it changes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
-from jspec import model
-from jspec.sampling import Sampling, argmax, probabilities, sample
+from jspec.engine.sampling import Sampling, argmax, probabilities, sample
+from jspec.model import decoder
+from jspec.model.config import ModelConfig
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class Draft:
-    tokens: jax.Array  # [B, K]
-    probs: jax.Array | None  # [B, K, V] draft distributions (sampling), None if deterministic
-    n: jax.Array  # [B] how many of tokens are proposed
-    cache: model.KVCache
-    dstate: object
-    cstate: object
-    logq: jax.Array | None = None  # [B, K] log q of each drafted token, for a rule that needs it (MJSD)
-    # [B] bool, where a drafter with candidates may also feed a chain (prompt lookup in front): the rows
-    # whose tokens are alternatives. None: all of them (with Drafter.candidates), or none.
-    alternatives: jax.Array | None = None
-    # (target's states [B, K+1, D], its logits [B, K+1, V]) of a drafter that verified its own draft
-    # (MJSD's tree, jspec/drafters/beam.py), whose `cache` then holds the target's entries: the loop
-    # runs no verification of its own.
-    verified: tuple | None = None
-    # [B] how many of tokens such a drafter keeps, when its rule needed more than the one chain it
-    # hands the round (MJSD's tree judges every beam); None: the drafter's `accept` decides.
-    kept: jax.Array | None = None
-
-
-def target_prefill(params, cfg, tokens, packing: model.Packing, cache):
+def target_prefill(params, cfg, tokens, packing: decoder.Packing, cache):
     """Run the packed prompts tokens [R, T] through the target; the hidden state at each row's
     last prompt token [B, D]."""
-    h, cache = model.forward(params, cfg, tokens, packing, cache)
+    h, cache = decoder.forward(params, cfg, tokens, packing, cache)
     return packing.last(h), cache
 
 
 class Drafter:
+    """The hooks every drafter has; each subclass is a frozen dataclass (a static jit argument)."""
+
     max_draft: int = 0
     candidates: int = 0  # > 0: that many alternatives side by side (max_draft = candidates), not a chain
     # The drafter's own acceptance rule, accept(draft, target_logits, sampling, key) -> (n_accepted,
@@ -74,15 +63,15 @@ class Drafter:
 
     def verify(self, params, dparams, cfg, tokens, positions, cache, dstate, width):
         """The target's states [B, W, D] for the fed tokens [B, W] (the newest committed token, then
-        the drafts) and the cache, computed at `width` (a model.Width: its leading positions)."""
-        return model.forward(params, cfg, tokens, positions, cache, width, siblings=self.candidates > 0)
+        the drafts) and the cache, computed at `width` (a decoder.Width: its leading positions)."""
+        return decoder.forward(params, cfg, tokens, positions, cache, width, siblings=self.candidates > 0)
 
     def keep_candidate(self, params, dparams, cfg, cache, dstate, src, dst):
         """(cache, dstate) after a candidates round accepted the candidate whose entries sit at
         position src [B]: its entries copied to dst [B], where the accepted path has it. The
         drafter's own caches (an early exit's head) move with the target's."""
-        k, v = model.move_entry(cache.k, cache.v, src, dst)
-        return model.KVCache(k, v), dstate
+        k, v = decoder.move_entry(cache.k, cache.v, src, dst)
+        return decoder.KVCache(k, v), dstate
 
     def room(self, dstate, max_draft: int):
         """dstate with space for max_draft drafts, for a wrapper that may propose more tokens than
@@ -104,7 +93,7 @@ class Drafter:
     def target_logits(self, params, dparams, cfg, h, dstate, sampling):
         """The target's logits [B, K+1, V] from verify's states: its final norm and LM head, which
         a lossy drafter (SpecEE) may replace."""
-        return model.logits(params, cfg, h)
+        return decoder.logits(params, cfg, h)
 
     def stats(self, dstate) -> dict:
         """The drafter's own counters for the records, [B, ...] arrays (none by default)."""
@@ -114,6 +103,110 @@ class Drafter:
         """What a record's `stats` adds from one row's counters (as Python values), e.g. a name for
         an index."""
         return {}
+
+    # -- what MJSD's beams (jspec.drafters.beam) ask of the drafter they run -----------------------
+
+    def beam_stack(self, params, dparams, cfg, cache, dstate) -> "Stack":
+        """The layers a beam step runs, over this drafter's committed prefix."""
+        raise NotImplementedError(f"{type(self).__name__} cannot draft beams")
+
+    def beam_drafted(self, params, dparams, cfg, cache, dstate, written, exits, final, final_pos):
+        """(cache, dstate) once beams chose their draft, as drafting it token by token would have
+        left the round's `cache` and `dstate`: `written`, per stack layer, its (k, v) with the chosen
+        beam's entries written at their positions; exits [B, K, D] the chosen beam's step states of
+        slots 0..K-1; final [B] its last token, at final_pos [B, 1], which still needs the pass the
+        token-by-token drafter gives it after its loop."""
+        raise NotImplementedError(f"{type(self).__name__} cannot draft beams")
+
+    def tree_verified(self, params, dparams, cfg, cache, dstate, fed, positions, layer_input):
+        """dstate after the target verified a tree of beams and wrote the chosen beam's entries
+        (tokens fed [B, K+1] at positions [B, K+1]) into `cache`; layer_input(i) gives the states
+        [B, K+1, D] that entered the target's layer i along that beam. Nothing to do by default."""
+        return dstate
+
+
+@dataclasses.dataclass
+class Feedback:
+    """An EAGLE head's input in a beam step: each token fused with a state (heads.fuse_input), the
+    target's before the first drafted token, then the head's own output for the token before it."""
+
+    fuse: Callable  # (tokens [B, W], states [B, W, D]) -> inputs [B, W, D]
+    state: Callable  # the head's output h [B, W, D] -> the state the next token is fused with
+    first: jax.Array  # [B, D] the state before the first drafted token
+
+
+@dataclasses.dataclass
+class Stack:
+    """What one beam step runs: embedding, the trunk (whose output is the exit state an early-exit
+    verifier continues from), the head layers, and the readout to draft logits. With `feedback` (an
+    EAGLE head) the input is the token fused with its parent beam's state, and the step's state is
+    the one the next token is fused with."""
+
+    cfg: ModelConfig
+    embed: dict  # params holding "embed"
+    trunk: list  # [(layer params, prefix k [B, S, KV, H], prefix v)]
+    head: list  # the same, for layers after the exit state
+    readout: Callable  # h [B, W, D] -> logits [B, W, V]
+    feedback: Feedback | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Wrapped:
+    """A wrapper's params or state: the inner drafter's, and the wrapper's own (() if none)."""
+
+    inner: object
+    own: object = ()
+
+
+class Wrapper(Drafter):
+    """A drafter around `inner` (a dataclass field of each subclass). Every hook forwards to the
+    inner drafter with its part of the params and state; a subclass overrides what it changes."""
+
+    inner: Drafter
+
+    @property
+    def max_draft(self) -> int:
+        return self.inner.max_draft
+
+    @property
+    def candidates(self) -> int:
+        return self.inner.candidates
+
+    def params(self, inner_params, own=()) -> Wrapped:
+        """This wrapper's params around the inner drafter's."""
+        return Wrapped(inner_params, own)
+
+    def prefill(self, params, dparams, cfg, tokens, packing, cache):
+        h, cache, dstate = self.inner.prefill(params, dparams.inner, cfg, tokens, packing, cache)
+        return h, cache, Wrapped(dstate)
+
+    def verify(self, params, dparams, cfg, tokens, positions, cache, dstate, width):
+        return self.inner.verify(params, dparams.inner, cfg, tokens, positions, cache, dstate.inner, width)
+
+    def keep_candidate(self, params, dparams, cfg, cache, dstate, src, dst):
+        cache, inner = self.inner.keep_candidate(params, dparams.inner, cfg, cache, dstate.inner, src, dst)
+        return cache, dataclasses.replace(dstate, inner=inner)
+
+    def room(self, dstate, max_draft: int):
+        return dataclasses.replace(dstate, inner=self.inner.room(dstate.inner, max_draft))
+
+    def feed(self, params, dparams, cfg, cache, dstate, tokens, positions):
+        cache, inner = self.inner.feed(params, dparams.inner, cfg, cache, dstate.inner, tokens, positions)
+        return cache, dataclasses.replace(dstate, inner=inner)
+
+    def accepted(self, params, dparams, cfg, dstate, fed, positions, h, n_acc):
+        inner = self.inner.accepted(params, dparams.inner, cfg, dstate.inner, fed, positions, h, n_acc)
+        return dataclasses.replace(dstate, inner=inner)
+
+    def target_logits(self, params, dparams, cfg, h, dstate, sampling):
+        return self.inner.target_logits(params, dparams.inner, cfg, h, dstate.inner, sampling)
+
+    def stats(self, dstate) -> dict:
+        return self.inner.stats(dstate.inner)
+
+    def record_stats(self, stats: dict) -> dict:
+        return self.inner.record_stats(stats)
 
 
 def only_if(pred, fn, carry):
@@ -161,7 +254,7 @@ def draft_loop(step, carry, s, controller, sampling: Sampling, key, max_draft: i
 def draft_candidates(step, carry, s, count: int):
     """The drafter's `count` most likely tokens for the position after the last committed one, side
     by side (Drafter.candidates), from one step (as in draft_loop) on the last token. Deterministic
-    given the text, in greedy and sampling mode alike (jspec.acceptance.candidates).
+    given the text, in greedy and sampling mode alike (jspec.engine.acceptance.candidates).
     Returns (tokens [B, count], n [B]: count, 0 in rows that are done, carry)."""
     logits, carry = step(carry, 0, s.last, s.length[:, None])
     tokens = jax.lax.top_k(logits, count)[1].astype(jnp.int32)

@@ -8,11 +8,19 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
-from jspec import model
-from jspec.config import ModelConfig
-from jspec.drafters.base import Draft, Drafter, draft_loop, target_prefill
+from jspec.drafters.base import Drafter, Stack, draft_loop, target_prefill
+from jspec.engine.state import Draft
+from jspec.model import decoder
+from jspec.model.config import ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DraftModelState:
+    cache: decoder.KVCache  # the draft model's own, at the target's positions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,23 +30,36 @@ class DraftModel(Drafter):
 
     def prefill(self, params, dparams, cfg, tokens, packing, cache):
         h, cache = target_prefill(params, cfg, tokens, packing, cache)
-        dcache = model.KVCache.zeros(self.draft_cfg, packing.lens.shape[0], cache.length)
+        dcache = decoder.KVCache.zeros(self.draft_cfg, packing.lens.shape[0], cache.length)
         _, dcache = target_prefill(dparams, self.draft_cfg, tokens, packing, dcache)
-        return h, cache, {"cache": dcache}
+        return h, cache, DraftModelState(dcache)
 
     def draft(self, params, dparams, cfg, s, controller, sampling, key):
         dcfg = self.draft_cfg
 
         def step(dcache, j, x, positions):
-            h, dcache = model.forward(dparams, dcfg, x[:, None], positions, dcache)
-            return model.logits(dparams, dcfg, h[:, 0]), dcache
+            h, dcache = decoder.forward(dparams, dcfg, x[:, None], positions, dcache)
+            return decoder.logits(dparams, dcfg, h[:, 0]), dcache
 
-        tokens, probs, n, dcache, cstate = draft_loop(step, s.dstate["cache"], s, controller, sampling, key,
+        tokens, probs, n, dcache, cstate = draft_loop(step, s.dstate.cache, s, controller, sampling, key,
                                                       self.max_draft)
         final = tokens[jnp.arange(tokens.shape[0]), jnp.maximum(n - 1, 0)]
-        _, dcache = model.forward(dparams, dcfg, final[:, None], (s.length + n)[:, None], dcache)
-        return Draft(tokens, probs, n, s.cache, {"cache": dcache}, cstate)
+        _, dcache = decoder.forward(dparams, dcfg, final[:, None], (s.length + n)[:, None], dcache)
+        return Draft(tokens, probs, n, s.cache, DraftModelState(dcache), cstate)
 
     def feed(self, params, dparams, cfg, cache, dstate, tokens, positions):
-        _, dcache = model.forward(dparams, self.draft_cfg, tokens, positions, dstate["cache"])
-        return cache, {"cache": dcache}
+        _, dcache = decoder.forward(dparams, self.draft_cfg, tokens, positions, dstate.cache)
+        return cache, DraftModelState(dcache)
+
+    def beam_stack(self, params, dparams, cfg, cache, dstate) -> Stack:
+        dc, dcfg = dstate.cache, self.draft_cfg
+        trunk = [(dparams["layers"][i], dc.k[i], dc.v[i]) for i in range(dcfg.num_layers)]
+        return Stack(dcfg, dparams, trunk, [], lambda h: decoder.logits(dparams, dcfg, h))
+
+    def beam_drafted(self, params, dparams, cfg, cache, dstate, written, exits, final, final_pos):
+        dcache = decoder.KVCache([k for k, _ in written], [v for _, v in written])
+        _, dcache = decoder.forward(dparams, self.draft_cfg, final[:, None], final_pos, dcache)
+        return cache, DraftModelState(dcache)
+
+    def tree_verified(self, params, dparams, cfg, cache, dstate, fed, positions, layer_input):
+        return self.feed(params, dparams, cfg, cache, dstate, fed, positions)[1]

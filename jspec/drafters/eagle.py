@@ -2,7 +2,7 @@
 layers run while drafting.
 
 The head's input at position t is the embedding of token t fused with the target's final-normed
-state at t - 1 (jspec.heads.fuse_input); from it the head predicts token t + 1. The newest
+state at t - 1 (jspec.parts.heads.fuse_input); from it the head predicts token t + 1. The newest
 committed token's previous state is what verification computed last round, so the first draft
 of a round costs one head layer and the draft vocabulary's LM-head rows (about 0.04 of a decode
 step here, against 0.16 for a Kangaroo adapter at N = 4, which runs four of the target's layers).
@@ -19,10 +19,20 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
-from jspec import heads, model
-from jspec.drafters.base import Draft, Drafter, draft_candidates, draft_loop
+from jspec.drafters.base import Drafter, Feedback, Stack, draft_candidates, draft_loop
+from jspec.engine.state import Draft
+from jspec.model import decoder
+from jspec.parts import heads
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class EagleState:
+    head: decoder.KVCache  # the head's own cache
+    prev: jax.Array  # [B, D] the target's final-normed state before the newest committed token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,14 +42,14 @@ class Eagle(Drafter):
     candidates: int = 0
 
     def prefill(self, params, dparams, cfg, tokens, packing, cache):
-        h, cache = model.forward(params, cfg, tokens, packing, cache)  # [R, T, D]
+        h, cache = decoder.forward(params, cfg, tokens, packing, cache)  # [R, T, D]
         f = heads.final_state(params, cfg, h)
         # Each token's previous state: packed prompts lie end to end, so it is the one before it in
         # the packed row, except at a prompt's first token (none: zeros, as in training).
         prev = jnp.where((packing.positions > 0)[..., None], jnp.roll(f, 1, axis=1), 0.0)
         x = heads.fuse_input(params, dparams, tokens, prev)
         _, kv = heads.block(cfg, dparams, x, packing, heads.empty_kv(cfg, dparams, packing.lens.shape[0], cache.length))
-        return packing.last(h), cache, {"head": kv, "prev": packing.last(f)}
+        return packing.last(h), cache, EagleState(kv, packing.last(f))
 
     def draft(self, params, dparams, cfg, s, controller, sampling, key):
         def step(carry, j, x, positions):
@@ -48,16 +58,30 @@ class Eagle(Drafter):
                                   positions, kv)
             return heads.vocab_logits(cfg, dparams, out[:, 0]), (kv, out[:, 0])
 
-        carry = (s.dstate["head"], s.dstate["prev"])
+        carry = (s.dstate.head, s.dstate.prev)
         if self.candidates:  # the top C of one step; `accepted` writes the head's entries for the accepted one
             tokens, n, (kv, _) = draft_candidates(step, carry, s, self.candidates)
-            return Draft(tokens, None, n, s.cache, {**s.dstate, "head": kv}, s.cstate)
+            return Draft(tokens, None, n, s.cache, dataclasses.replace(s.dstate, head=kv), s.cstate)
         tokens, probs, n, (kv, _), cstate = draft_loop(step, carry, s, controller, sampling, key, self.max_draft)
-        return Draft(tokens, probs, n, s.cache, {**s.dstate, "head": kv}, cstate)
+        return Draft(tokens, probs, n, s.cache, dataclasses.replace(s.dstate, head=kv), cstate)
 
     def accepted(self, params, dparams, cfg, dstate, fed, positions, h, n_acc):
         f = heads.final_state(params, cfg, h)  # [B, W, D]; zeros past the verified width
-        prev = jnp.concatenate([dstate["prev"][:, None].astype(f.dtype), f[:, :-1]], axis=1)
-        _, kv = heads.block(cfg, dparams, heads.fuse_input(params, dparams, fed, prev), positions, dstate["head"])
+        prev = jnp.concatenate([dstate.prev[:, None].astype(f.dtype), f[:, :-1]], axis=1)
+        _, kv = heads.block(cfg, dparams, heads.fuse_input(params, dparams, fed, prev), positions, dstate.head)
         rows = jnp.arange(fed.shape[0])
-        return {**dstate, "head": kv, "prev": f[rows, n_acc]}
+        return EagleState(kv, f[rows, n_acc])
+
+    def beam_stack(self, params, dparams, cfg, cache, dstate) -> Stack:
+        """No target layer: the head's layers over its own cache, each beam's token fused with the
+        state its parent beam's step left (as `draft` fuses a draft with the head's previous output)."""
+        norm = lambda h: decoder.rms_norm(h, dparams["norm"], cfg.rms_norm_eps)  # noqa: E731
+        feedback = Feedback(lambda x, prev: heads.fuse_input(params, dparams, x, prev), norm, dstate.prev)
+        return Stack(cfg, params, [], list(zip(dparams["layers"], dstate.head.k, dstate.head.v)),
+                     lambda h: heads.readout(cfg, dparams, h), feedback)
+
+    def beam_drafted(self, params, dparams, cfg, cache, dstate, written, exits, final, final_pos):
+        # Verification runs the whole target: no exit state to leave; `accepted` rewrites the
+        # head's entries from the target's states.
+        hk, hv = zip(*written)
+        return cache, dataclasses.replace(dstate, head=decoder.KVCache(list(hk), list(hv)))

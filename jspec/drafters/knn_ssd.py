@@ -5,23 +5,25 @@ state, which the prefill computes anyway) is compared by cosine with the anchors
 centres of each domain's prompts); the nearest anchor's domain gives the row its sublayer skip
 set. The sets, the anchors and the anchor -> domain map travel in `dparams` as data, so a
 prompt never recompiles anything. Drafting runs the target with those sublayers skipped
-(`model.run_masked_layers`); verification is the full target, so decoding stays lossless.
+(`decoder.run_masked_layers`); verification is the full target, so decoding stays lossless.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
-from jspec import model
-from jspec.drafters.base import Draft, Drafter, draft_loop
+from jspec.drafters.base import Drafter, draft_loop
+from jspec.engine.state import Draft
+from jspec.model import decoder
 
 
 def prompt_feature(params, cfg, h, prompt_lens):
     """h [B, P, D] (pre-norm, right-padded), prompt_lens [B] -> [B, D]: the mean over each row's
     prompt tokens of the final-normed hidden state."""
-    normed = model.rms_norm(h, params["final_norm"], cfg.rms_norm_eps).astype(jnp.float32)
+    normed = decoder.rms_norm(h, params["final_norm"], cfg.rms_norm_eps).astype(jnp.float32)
     inside = (jnp.arange(h.shape[1])[None, :] < prompt_lens[:, None])[..., None]
     return jnp.sum(jnp.where(inside, normed, 0.0), axis=1) / prompt_lens[:, None].astype(jnp.float32)
 
@@ -30,6 +32,13 @@ def nearest_anchor(features, anchors):
     """Cosine 1-nearest neighbour: features [B, D], anchors [N, D] (unit rows) -> [B] int32."""
     unit = features / jnp.maximum(jnp.linalg.norm(features, axis=-1, keepdims=True), 1e-12)
     return jnp.argmax(unit @ anchors.T, axis=-1).astype(jnp.int32)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KnnState:
+    skip: jax.Array  # [B, 2, L] bool: each row's domain's skip set, attention then MLP
+    domain: jax.Array  # [B] int32: the domain each row's prompt was matched to
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,23 +50,23 @@ class KnnSsd(Drafter):
     domains: tuple[str, ...] = ()
 
     def prefill(self, params, dparams, cfg, tokens, packing, cache):
-        h, cache = model.forward(params, cfg, tokens, packing, cache)
+        h, cache = decoder.forward(params, cfg, tokens, packing, cache)
         anchor = nearest_anchor(prompt_feature(params, cfg, packing.unpack(h), packing.lens), dparams["anchors"])
         domain = dparams["anchor_domain"][anchor]
-        return packing.last(h), cache, {"skip": dparams["skip"][domain], "domain": domain}
+        return packing.last(h), cache, KnnState(dparams["skip"][domain], domain)
 
     def draft(self, params, dparams, cfg, s, controller, sampling, key):
-        skip = s.dstate["skip"]
+        skip = s.dstate.skip
 
         def step(cache, j, x, positions):
-            h, cache = model.run_masked_layers(params, cfg, model.embed(params, x[:, None]), positions, cache, skip)
-            return model.logits(params, cfg, h[:, 0]), cache
+            h, cache = decoder.run_masked_layers(params, cfg, decoder.embed(params, x[:, None]), positions, cache, skip)
+            return decoder.logits(params, cfg, h[:, 0]), cache
 
         tokens, probs, n, cache, cstate = draft_loop(step, s.cache, s, controller, sampling, key, self.max_draft)
         return Draft(tokens, probs, n, cache, s.dstate, cstate)
 
     def stats(self, dstate):
-        return {"domain": dstate["domain"]}
+        return {"domain": dstate.domain}
 
     def record_stats(self, stats):
         return {"domain": self.domains[stats["domain"]]}

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from jspec import model
-from jspec.drafters.base import Draft, Drafter, draft_loop
+from jspec.drafters.base import Drafter, draft_loop
+from jspec.engine.state import Draft
+from jspec.model import decoder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,8 +22,8 @@ class LayerSkip(Drafter):
         kept = [i for i in range(cfg.num_layers) if i not in self.skip]
 
         def step(cache, j, x, positions):
-            h, cache = model.run_layers(params, cfg, model.embed(params, x[:, None]), positions, cache, kept)
-            return model.logits(params, cfg, h[:, 0]), cache
+            h, cache = decoder.run_layers(params, cfg, decoder.embed(params, x[:, None]), positions, cache, kept)
+            return decoder.logits(params, cfg, h[:, 0]), cache
 
         tokens, probs, n, cache, cstate = draft_loop(step, s.cache, s, controller, sampling, key, self.max_draft)
         return Draft(tokens, probs, n, cache, s.dstate, cstate)

@@ -2,11 +2,11 @@
 last n tokens (n = max_ngram down to min_ngram, 2 by default: a single recurring token was copied
 more often wrongly than rightly) in the prompt and the text so far, and propose the tokens that
 followed it; a round without such a repeat asks the model's datastore, if it has one
-(jspec.datastore: what the model itself wrote after the last two or three tokens). A round that
+(jspec.parts.datastore: what the model itself wrote after the last two or three tokens). A round that
 finds neither guesses one token: what followed the newest token's most recent earlier occurrence,
 else the datastore's most frequent continuation of it. The guess is right about a fifth of the
 time, and free: one drafted token is verified at two positions, which cost about what a round
-without drafts costs at one (docs/benchmarks.md, "A free guess"). The proposal
+without drafts costs at one (docs/journal/2026-11-26_free-guess.md). The proposal
 is deterministic, so sampled acceptance treats q as one-hot on the proposed token."""
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jspec import datastore
-from jspec.drafters.base import Draft, Drafter
+from jspec.drafters.base import Drafter
+from jspec.engine.state import Draft
+from jspec.parts import datastore
 
 MAX_NGRAM = 3  # the longest repeat looked up, by n-gram drafting and by lookup in front of a drafter
 

@@ -6,7 +6,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jspec.drafters.base import Draft, Drafter
+from jspec.drafters.base import Drafter
+from jspec.engine.state import Draft
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,27 +24,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jspec import acceptance, model
-from jspec.config import ModelConfig
-from jspec.sampling import Sampling, next_token
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class LoopState:
-    cache: model.KVCache
-    seq: jax.Array  # [B, S] int32, every committed token by position
-    last: jax.Array  # [B] newest committed token (at position `length`, not yet in the cache)
-    length: jax.Array  # [B]
-    n: jax.Array  # [B] tokens generated so far
-    done: jax.Array  # [B]
-    key: jax.Array
-    rounds: jax.Array  # [B] target forwards that produced tokens (prefill counts as one)
-    drafted: jax.Array  # [B]
-    accepted: jax.Array  # [B]
-    dstate: object  # the drafter's own state
-    cstate: object  # the controller's state
-    top: tuple | None = None  # (ids, log-probs) [B, max_new, k] of the target at each emitted token, if asked
+from jspec.engine import acceptance
+from jspec.engine.sampling import Sampling, next_token
+from jspec.engine.state import LoopState
+from jspec.engine.width import verify_widths, width_index
+from jspec.model import decoder
+from jspec.model.config import ModelConfig
 
 
 def top_logprobs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -74,21 +59,6 @@ def _emit(s: LoopState, tokens: jax.Array, count: jax.Array, eos_ids, max_new_to
     return dataclasses.replace(s, seq=seq, last=last, length=s.length + count, n=n, done=done, top=top)
 
 
-def verify_widths(max_draft: int) -> tuple[int, ...]:
-    """The widths a verification can take: 1 + each power of two below K, and K + 1. A round
-    verifies the narrowest that holds its longest live draft, so a round whose drafting stopped
-    early does not pay for K + 1 positions (each width is one more compiled branch per layer; two
-    positions cost about one, so a round that proposed nothing still verifies two)."""
-    if not max_draft:
-        return (1,)
-    return tuple(sorted({1 + min(2 ** i, max_draft) for i in range(max_draft.bit_length())} | {1 + max_draft}))
-
-
-def width_index(widths: tuple[int, ...], longest: jax.Array) -> jax.Array:
-    """Index of the narrowest of widths that verifies `longest` drafted tokens (and the last one)."""
-    return jnp.sum(jnp.asarray(widths)[:-1] < longest + 1).astype(jnp.int32)
-
-
 def _chain_rule(drafter, d, target_logits, sampling: Sampling, key):
     """(n_accepted, next_token) of a chain of drafts: the drafter's own rule if it has one, else
     the target's lossless one (greedy match, or rejection sampling)."""
@@ -101,9 +71,9 @@ def _chain_rule(drafter, d, target_logits, sampling: Sampling, key):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling", "max_new_tokens", "drafter", "controller",
                                              "logprobs"), donate_argnames=("cache",))
-def generate(params, dparams, cache: model.KVCache, tokens, packing: model.Packing, eos_ids, key, *,
+def generate(params, dparams, cache: decoder.KVCache, tokens, packing: decoder.Packing, eos_ids, key, *,
              cfg: ModelConfig, sampling: Sampling, max_new_tokens: int, drafter, controller, logprobs: int = 0):
-    """tokens [R, T]: B prompts packed as `packing` says (jspec.api.pack); eos_ids [E].
+    """tokens [R, T]: B prompts packed as `packing` says (jspec.batching.pack); eos_ids [E].
 
     Returns (out [B, max_new_tokens] with -1 past each row's end, stats dict of [B] arrays, cache).
     The cache needs P + max_new_tokens + K + 1 positions, P = packing.bucket. With `logprobs` = k > 0
@@ -117,7 +87,7 @@ def generate(params, dparams, cache: model.KVCache, tokens, packing: model.Packi
     seq = jnp.zeros((b, cache.length), jnp.int32).at[:, :p].set(prompts)
     h, cache, dstate = drafter.prefill(params, dparams, cfg, tokens, packing, cache)
     key, sub = jax.random.split(key)
-    first_logits = model.logits(params, cfg, h)
+    first_logits = decoder.logits(params, cfg, h)
     first = next_token(first_logits, sampling, sub)
     zeros = jnp.zeros((b,), jnp.int32)
     top = None
@@ -140,7 +110,7 @@ def generate(params, dparams, cache: model.KVCache, tokens, packing: model.Packi
             (h, target_logits), cache = d.verified, d.cache
         else:
             widths = verify_widths(k)
-            width = model.Width(widths, width_index(widths, jnp.max(jnp.where(live, d.n, 0))))
+            width = decoder.Width(widths, width_index(widths, jnp.max(jnp.where(live, d.n, 0))))
             at = positions
             if drafter.candidates:  # alternatives all sit at length + 1; chains too only where the Draft says
                 side = jnp.minimum(positions, s.length[:, None] + 1)

@@ -34,10 +34,10 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from jspec import model as M
 from jspec.engine.loop import top_logprobs
+from jspec.engine.sampling import Sampling
 from jspec.errors import JspecError
-from jspec.sampling import Sampling
+from jspec.model import decoder as M
 
 log = logging.getLogger("jspec")
 
@@ -130,7 +130,7 @@ def shard_path(out: Path, i: int) -> Path:
 
 
 def _write_shard(lm, requests, out, index, max_prompt, max_new, top_k, temperature, batch_size, seed):
-    # Sorted as `api.batches` sorts (stably, by length), so the records come back in this order at
+    # Sorted as `batching.batches` sorts (stably, by length), so the records come back in this order at
     # any batch size. The teacher's top-k come from the decoding loop itself (`logprobs`): the
     # logits each token was chosen from, what a forward over prompt + answer would give again.
     requests = sorted(requests, key=lambda r: len(r.token_ids))

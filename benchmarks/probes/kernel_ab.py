@@ -1,0 +1,61 @@
+"""Two builds of jspec's native matmul side by side: a forward of the default model over R
+positions (one row, float32, cache of 512 donated) with another build's kernel and with this
+checkout's, alternating call by call (benchmarks/probes/few_rows.py's programs and timing), and whether
+the logits are bit-identical.
+
+Tuning the kernel needs this: the host's speed drifts by 10-20% between runs, so two builds timed
+in separate runs cannot be told apart, and a kernel change must not change a bit.
+
+    cp jspec/_native*.so /tmp/before.so      # before the change
+    pip install -e .                         # rebuild with it
+    python benchmarks/probes/kernel_ab.py /tmp/before.so
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from few_rows import ROUNDS, forward_programs, time_forwards  # this script's folder
+
+import jspec
+from jspec.model import kernels
+
+ROWS = (1, 2, 3, 5, 9, 13)  # a decode step, and verifications of 1, 2, 4, 8 and 12 drafts
+CALLS = 10  # timed forwards per build, shape and round
+
+
+def compiled(target: str, build):
+    """build() traced and compiled with the float32 linears calling `target` (read at trace time)."""
+    kernels.TARGETS[jnp.dtype(jnp.float32)] = target
+    jax.clear_caches()
+    return build()
+
+
+def main() -> None:
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python benchmarks/probes/kernel_ab.py OTHER_BUILD.so")
+    if kernels.unavailable:
+        raise SystemExit(f"the native kernel is unavailable: {kernels.unavailable}")
+    other = ctypes.CDLL(sys.argv[1])
+    jax.ffi.register_ffi_target("other_build_matmul", jax.ffi.pycapsule(other.JspecMatmul), platform="cpu")
+    m = jspec.load(dtype="float32")
+    build, args = forward_programs(m, ROWS)
+    builds = {"other build": compiled("other_build_matmul", build), "this checkout": compiled("jspec_matmul", build)}
+    ms, logits = time_forwards(m, builds, args, ROWS, CALLS)
+    step = ms["this checkout", 1]
+    print(f"Forward over R positions, median of {ROUNDS} x {CALLS} ms (in decode steps of this checkout's "
+          f"{step:.1f} ms)\n")
+    print("| R | other build | this checkout | speedup |\n| --- | ---: | ---: | ---: |")
+    for r in ROWS:
+        a, b = ms["other build", r], ms["this checkout", r]
+        print(f"| {r} | {a:.1f} ({a / step:.2f}) | {b:.1f} ({b / step:.2f}) | {a / b:.2f}x |")
+    same = all(np.array_equal(logits["other build", r], logits["this checkout", r]) for r in ROWS)
+    print(f"\nlogits bit-identical: {same}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+"""Verification widths: a round verifies the narrowest of a few static widths that holds its
+longest live draft (each width one branch of a lax.switch, decoder.Width)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def verify_widths(max_draft: int) -> tuple[int, ...]:
+    """The widths a verification can take: 1 + each power of two below K, and K + 1. A round
+    verifies the narrowest that holds its longest live draft, so a round whose drafting stopped
+    early does not pay for K + 1 positions (each width is one more compiled branch per layer; two
+    positions cost about one, so a round that proposed nothing still verifies two)."""
+    if not max_draft:
+        return (1,)
+    return tuple(sorted({1 + min(2 ** i, max_draft) for i in range(max_draft.bit_length())} | {1 + max_draft}))
+
+
+def width_index(widths: tuple[int, ...], longest: jax.Array) -> jax.Array:
+    """Index of the narrowest of widths that verifies `longest` drafted tokens (and the last one)."""
+    return jnp.sum(jnp.asarray(widths)[:-1] < longest + 1).astype(jnp.int32)

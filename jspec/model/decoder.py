@@ -1,0 +1,352 @@
+"""The Llama-family decoder (Llama / SmolLM2, Mistral, Qwen2) as pure functions over a parameter pytree.
+
+Parameters are a dict; `layers` is a list with one dict per decoder layer (D hidden, V vocab,
+K kv heads, G query heads per kv head, H head dim, F MLP width):
+
+    embed        [V, D]
+    layers[i]    attn_norm [D], mlp_norm [D]
+                 wqkv [K*(G+2)*H, D]   per kv group its G query heads, then its k and v: one
+                                       matmul, and a K-way split of the rows keeps a group together
+                 bqkv [K*(G+2)*H]      (Qwen2 only)
+                 wo [D, K*G*H], w_gate_up [2*F, D] (gate then up), w_down [D, F]
+    final_norm   [D]
+    lm_head      [V, D]                (untied models only: a tied model's head is `embed`)
+
+Every matrix keeps Hugging Face's [out, in] orientation and is read by `linear`.
+
+Why a list and 2-D weights rather than arrays stacked for `lax.scan`: XLA on CPU copies every
+dynamically sliced (scanned) weight and every weight whose dot needs a reshape before it can
+multiply, which doubled the time of a decode step (45 ms vs 23 ms for SmolLM2-135M here). With
+one buffer per weight the dots read parameters in place; activations are reshaped instead.
+Running a prefix of the layers (early exit) or a subset (layer skipping) is a static choice of
+list entries, so it costs nothing either.
+
+Every forward reads and writes a preallocated `KVCache` at per-row positions: row b's T new
+tokens sit at positions[b] (contiguous), and a query at position p sees cache entries 0..p.
+Entries beyond a row's position are stale (padding, rejected drafts) and are never attended to,
+which is what makes speculative rollback free. A prefill instead takes a `Packing`: the batch's
+prompts end to end in a few rows, so a batch of uneven prompts costs its tokens rather than its
+rows times its longest prompt; each prompt's keys and values land at 0.. of its own cache row.
+
+Because the LM head is [V, D] like the rest, a tied model uses its embedding and holds no second
+copy (28M parameters, a fifth of SmolLM2-135M).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jspec.model import kernels
+from jspec.model.attention import attention, block_attention, prefill_attention
+from jspec.model.config import ModelConfig, rope_inv_freq
+
+Params = dict
+SMALL_ROWS = 64  # from 2 to this many float32 rows on a CPU, linear multiplies and sums instead of a matmul
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    k: list[jax.Array]  # per layer [B, S, K, H]
+    v: list[jax.Array]  # per layer [B, S, K, H]
+
+    @classmethod
+    def zeros(cls, cfg: ModelConfig, batch: int, length: int) -> "KVCache":
+        shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
+        return cls([jnp.zeros(shape, jnp.float32) for _ in range(cfg.num_layers)],
+                   [jnp.zeros(shape, jnp.float32) for _ in range(cfg.num_layers)])
+
+    @property
+    def length(self) -> int:
+        return self.k[0].shape[1]
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def rope(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin of shape [B, T, H] for integer positions [B, T] (rotate-half layout, as HF)."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(cfg))
+    angles = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Packing:
+    """Where a prefill's tokens are: the prompts of B rows packed end to end into R packed rows of
+    T tokens (R divides B; packed row r holds batch rows r*B/R .. (r+1)*B/R - 1, so a data-sharded
+    batch packs within each shard). Built on the host by `jspec.batching.pack`.
+
+    The projections and MLPs, nearly all of a prefill's work, run on the packed rows; attention
+    runs on the prompts unpacked to [B, P] (P: the longest prompt's bucket), each from position 0
+    of its own row, which is also where its keys and values go in the cache."""
+
+    segment: jax.Array  # [R, T] int32: the batch row of each token, -1 for padding
+    positions: jax.Array  # [R, T] int32: each token's position in its prompt
+    source: jax.Array  # [B, P] int32: where in its packed row row b's p-th token is
+    lens: jax.Array  # [B] int32: prompt lengths
+
+    @property
+    def bucket(self) -> int:
+        """P: the prompts' bucket, the cache prefix a prefill writes."""
+        return self.source.shape[1]
+
+    def unpack(self, x: jax.Array) -> jax.Array:
+        """x [R, T, ...] -> [B, P, ...], row b's prompt from position 0 (past its end: filler)."""
+        r, (b, p) = x.shape[0], self.source.shape
+        return _take_per_row(x, self.source.reshape(r, b // r * p)).reshape(b, p, *x.shape[2:])
+
+    def pack(self, x: jax.Array) -> jax.Array:
+        """unpack's inverse: x [B, P, ...] -> [R, T, ...] (padding tokens: filler)."""
+        r, (b, p) = self.segment.shape[0], self.source.shape
+        local = self.segment - (jnp.arange(r, dtype=jnp.int32) * (b // r))[:, None]
+        idx = jnp.where(self.segment >= 0, local * p + self.positions, 0)
+        return _take_per_row(x.reshape(r, b // r * p, *x.shape[2:]), idx)
+
+    def last(self, x: jax.Array) -> jax.Array:
+        """x [R, T, ...] -> [B, ...] at each row's last prompt token."""
+        r, b = x.shape[0], self.lens.shape[0]
+        idx = jnp.take_along_axis(self.source, (self.lens - 1)[:, None], axis=1).reshape(r, b // r)
+        return _take_per_row(x, idx).reshape(b, *x.shape[2:])
+
+
+def _take_per_row(x: jax.Array, idx: jax.Array) -> jax.Array:
+    """x [R, N, ...] at idx [R, M] -> [R, M, ...]: a gather within each packed row, so a
+    data-sharded batch gathers within its shard."""
+    return jax.vmap(lambda xr, i: xr[i])(x, idx)
+
+
+def rope_at(cfg: ModelConfig, h: jax.Array, positions: jax.Array | Packing | None) -> tuple[jax.Array, jax.Array]:
+    """rope() for h [B, T, ...] at positions [B, T], a prefill's packed positions, or 0..T-1 in
+    every row when None."""
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(h.shape[1], dtype=jnp.int32), h.shape[:2])
+    elif isinstance(positions, Packing):
+        positions = positions.positions
+    return rope(cfg, positions)
+
+
+def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotary embedding of x [..., H] at the angles of cos, sin."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return (x * cos + rotated * sin).astype(x.dtype)
+
+
+def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array):
+    """One layer's cache k_cache, v_cache [B, S, K, H] <- k, v [B, T, K, H] at per-row offsets
+    start [B]. Never call it inside a conditional's branch: XLA would copy the cache
+    (docs/design.md, "No cache inside a conditional")."""
+    put = jax.vmap(lambda c, x, s: jax.lax.dynamic_update_slice(c, x.astype(c.dtype), (s, 0, 0)))
+    return put(k_cache, k, start), put(v_cache, v, start)
+
+
+def move_entry(ks: list[jax.Array], vs: list[jax.Array], src: jax.Array, dst: jax.Array):
+    """Per layer, each row b's cache entry at position src[b] copied to dst[b]: a candidate's
+    entries moved to where the accepted path puts it (jspec.engine.loop). (ks, vs) of [B, S, K, H]."""
+    take = lambda c: jnp.take_along_axis(c, src[:, None, None, None], axis=1)  # noqa: E731
+    moved = [write_kv(k, v, take(k), take(v), dst) for k, v in zip(ks, vs)]
+    return [k for k, _ in moved], [v for _, v in moved]
+
+
+def qkv(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array, cos: jax.Array, sin: jax.Array):
+    """The attention block's input side: h [B, T, D] -> rotated queries [B, T, K, G, H], rotated
+    keys and values [B, T, K, H]. G is what lp's projection holds: a projection of only the K and V
+    rows (SpecEE's fill) gives G = 0 queries."""
+    g = lp["wqkv"].shape[0] // (cfg.num_kv_heads * cfg.head_dim) - 2
+    x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
+    qkv = linear(x, lp["wqkv"])
+    if "bqkv" in lp:
+        qkv = qkv + lp["bqkv"]
+    qkv = qkv.reshape(*qkv.shape[:2], cfg.num_kv_heads, g + 2, cfg.head_dim)
+    q = rotate(qkv[:, :, :, :g], cos[:, :, None, None], sin[:, :, None, None])
+    k = rotate(qkv[:, :, :, g], cos[:, :, None], sin[:, :, None])
+    return q, k, qkv[:, :, :, g + 1]
+
+
+def attend(lp: Mapping[str, jax.Array], h: jax.Array, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+           positions: jax.Array, valid: jax.Array | None = None, siblings: bool = False) -> jax.Array:
+    """The attention block's output side, residual included: queries q at positions [B, T] over a
+    cache that already holds their own keys and values -> h [B, T, D]. `siblings` lets the block
+    hold alternatives (block_attention)."""
+    out = (block_attention if siblings else attention)(q, k_cache, v_cache, positions, valid)
+    return h + linear(out.reshape(*out.shape[:2], -1), lp["wo"])
+
+
+def attention_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array,
+                    positions: jax.Array | Packing | None, cos: jax.Array, sin: jax.Array, k_cache: jax.Array,
+                    v_cache: jax.Array, valid: jax.Array | None = None, siblings: bool = False):
+    """The attention half of a decoder block, residual included: h [B, T, D] -> h, k_cache, v_cache.
+    A Packing is a prefill of h [R, T, D] packed rows; None a prefill of one prompt per row.
+    `siblings`: the T tokens may be alternatives, at the same position (block_attention)."""
+    q, k, v = qkv(cfg, lp, h, cos, sin)
+    if positions is None or isinstance(positions, Packing):
+        # Projections run packed; attention runs per prompt, from each row's position 0.
+        rows = (lambda x: x) if positions is None else positions.unpack
+        k, v = rows(k), rows(v)
+        out = prefill_attention(rows(q), k, v)
+        out = out if positions is None else positions.pack(out)
+        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, jnp.zeros(k_cache.shape[:1], jnp.int32))
+        return h + linear(out.reshape(*out.shape[:2], -1), lp["wo"]), k_cache, v_cache
+    k_cache, v_cache = write_kv(k_cache, v_cache, k, v, positions[:, 0])
+    return attend(lp, h, q, k_cache, v_cache, positions, valid, siblings), k_cache, v_cache
+
+
+def mlp_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array) -> jax.Array:
+    """The MLP half of a decoder block, residual included."""
+    x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
+    gate, up = jnp.split(linear(x, lp["w_gate_up"]), 2, axis=-1)
+    return h + linear(jax.nn.silu(gate) * up, lp["w_down"])
+
+
+def decoder_layer(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array, positions: jax.Array | Packing | None,
+                  cos: jax.Array, sin: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                  valid: jax.Array | None = None, width: "Width | None" = None, siblings: bool = False):
+    """One pre-norm decoder block. h [B, T, D]; k_cache, v_cache [B, S, K, H] of this layer. With
+    a `width`, only its leading positions are computed (their outputs padded back to T);
+    `siblings` as in attention_block."""
+    if width is None:
+        h, k_cache, v_cache = attention_block(cfg, lp, h, positions, cos, sin, k_cache, v_cache, valid, siblings)
+        return mlp_block(cfg, lp, h), k_cache, v_cache
+    q, k, v = width.run(functools.partial(qkv, cfg, lp), h, cos, sin)
+    # The cache is written here, between the two branches, never inside one: a conditional
+    # whose branch updates the cache makes XLA copy every layer's cache (docs/design.md).
+    k_cache, v_cache = write_kv(k_cache, v_cache, k, v, positions[:, 0])
+    h = width.run(lambda h, q, pos: mlp_block(cfg, lp, attend(lp, h, q, k_cache, v_cache, pos, valid, siblings)),
+                  h, q, positions)
+    return h, k_cache, v_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class Width:
+    """Which leading positions of a block of W = sizes[-1] a forward computes: sizes[index] (sizes
+    static and ascending, index traced). Each size is one branch of a lax.switch; a verification
+    whose drafts stopped early runs the narrowest that holds them (jspec.engine.loop). The
+    positions past the size come back as zeros, and the cache entries written there as zeros too,
+    which nothing reads: a later round writes from its own first position on."""
+
+    sizes: tuple[int, ...]
+    index: jax.Array
+
+    def run(self, fn, *xs):
+        """fn over xs [B, W, ...] at the chosen size -> its outputs padded back to [B, W, ...]."""
+        if len(self.sizes) == 1:
+            return fn(*xs)
+
+        def at(size):
+            def branch(*xs):
+                pad = lambda y: jnp.pad(y, [(0, 0), (0, self.sizes[-1] - size)] + [(0, 0)] * (y.ndim - 2))  # noqa: E731
+                return jax.tree.map(pad, fn(*(x[:, :size] for x in xs)))
+            return branch
+
+        return jax.lax.switch(self.index, [at(size) for size in self.sizes], *xs)
+
+
+def embed(params: Params, tokens: jax.Array) -> jax.Array:
+    """The float32 residual stream: bfloat16 stores the weights, never an activation or a cache
+    entry. A value rounded to bfloat16 turns the last-bit differences between XLA's programs
+    (a row decoded alone, among the K + 1 of a verification, in a batch, in a loop body or not)
+    into whole bfloat16 steps that flip near-tied tokens; kept in float32 they stay near 1e-6 of
+    a logit (docs/design.md, "Batch invariance")."""
+    return params["embed"][tokens].astype(jnp.float32)
+
+
+def run_layers(params: Params, cfg: ModelConfig, h: jax.Array, positions: jax.Array | Packing | None, cache: KVCache,
+               layers: Sequence[int] | None = None, width: Width | None = None, siblings: bool = False):
+    """Run the given layers (default: all, in order) on hidden states h [B, T, D] at positions
+    [B, T], or a prefill (a Packing, or None: one prompt per row). Layers not listed neither change
+    h nor write the cache: a contiguous range is an early exit, a range with holes is layer
+    skipping. A `width` computes only leading positions (decoder_layer); `siblings` lets the T
+    tokens be alternatives (attention_block). Returns the new h and cache."""
+    cos, sin = rope_at(cfg, h, positions)
+    k, v = list(cache.k), list(cache.v)
+    for i in range(cfg.num_layers) if layers is None else layers:
+        h, k[i], v[i] = decoder_layer(cfg, params["layers"][i], h, positions, cos, sin, k[i], v[i], width=width,
+                                      siblings=siblings)
+    return h, KVCache(k, v)
+
+
+def run_masked_layers(params: Params, cfg: ModelConfig, h: jax.Array, positions: jax.Array, cache: KVCache,
+                      skip: jax.Array):
+    """run_layers over every layer with sublayers skipped per row, as data: skip [B, 2, L] bool,
+    [:, 0] the attention and [:, 1] the MLP of each layer. A skipped sublayer is the identity on
+    the residual stream. It is computed only when some row needs it (lax.cond); the rows that
+    skip it keep their input. Its cache entries at these positions are written either way (zeros
+    when no row computed them), and never read by a row that skips them: only a verification
+    reads them, after overwriting them. Being data, a new skip set compiles nothing."""
+    cos, sin = rope_at(cfg, h, positions)
+    k, v = list(cache.k), list(cache.v)
+    for i, lp in enumerate(params["layers"]):
+        project = functools.partial(qkv, cfg, lp, cos=cos, sin=sin)
+        q, new_k, new_v = jax.lax.cond(jnp.all(skip[:, 0, i]), functools.partial(zeros_of, project), project, h)
+        # Written between the conditionals, as in decoder_layer, so that XLA copies no cache.
+        k[i], v[i] = write_kv(k[i], v[i], new_k, new_v, positions[:, 0])
+        h = _sublayer(skip[:, 0, i], lambda h, q, lp=lp, kc=k[i], vc=v[i]: attend(lp, h, q, kc, vc, positions), h, q)
+        h = _sublayer(skip[:, 1, i], lambda h, lp=lp: mlp_block(cfg, lp, h), h)
+    return h, KVCache(k, v)
+
+
+def zeros_of(fn, *xs):
+    """Zeros shaped as fn(*xs)'s outputs, computing nothing: a skipped branch's result."""
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(fn, *xs))
+
+
+def _sublayer(skip_rows: jax.Array, fn, h: jax.Array, *rest) -> jax.Array:
+    """fn(h, *rest) -> h, skipped when every row's skip_rows [B] is set, and each skipping row's h
+    kept as it was."""
+    def run(h, *rest):
+        out = fn(h, *rest)
+        return out if h.shape[0] == 1 else jnp.where(skip_rows[:, None, None], h, out)
+
+    return jax.lax.cond(jnp.all(skip_rows), lambda h, *rest: h, run, h, *rest)
+
+
+def linear(x: jax.Array, w: jax.Array, dtype=None) -> jax.Array:
+    """x [..., D] times w [N, D] transposed -> [..., N], accumulated in float32 and returned in
+    `dtype` (default: x's). Every weight matrix, the LM head included, is read this way.
+
+    Activations are always float32 (see `embed`); a bfloat16 weight is widened as it is read.
+    On a CPU a few rows (a decode step, a verification, a step of a batch) take a faster path
+    than XLA's matmul, which for so few rows repacks (or, in bfloat16, converts) the whole
+    weight first (docs/design.md): jspec's native kernel for the float32 rows where it wins
+    (jspec/model/kernels, where it is built), else a multiply-and-sum over D, which XLA fuses into
+    one loop over w. Their rounding differs from the matmul's near 1e-6 of a logit, which has
+    not changed a token in any measured run."""
+    dtype = x.dtype if dtype is None else dtype
+    rows = math.prod(x.shape[:-1])
+    if kernels.takes(x, w, rows):
+        return kernels.matmul(x.reshape(rows, -1), w).reshape(*x.shape[:-1], -1).astype(dtype)
+    # A float32 row alone takes XLA's matrix-vector kernel; a bfloat16 weight needs the
+    # multiply-and-sum even then, as XLA's product with it converts the whole weight first.
+    if (2 <= rows or w.dtype != x.dtype) and rows <= SMALL_ROWS and jax.default_backend() == "cpu":
+        # Rows major, so the result needs no transpose: faster than [N, rows] transposed after.
+        out = jnp.sum(w[None].astype(jnp.float32) * x.reshape(rows, 1, -1).astype(jnp.float32), axis=-1)
+        return out.reshape(*x.shape[:-1], -1).astype(dtype)
+    return jnp.einsum("...d,nd->...n", x, w, preferred_element_type=jnp.float32).astype(dtype)
+
+
+def head_weight(params: Params) -> jax.Array:
+    """The LM head [V, D]; a tied model's is its embedding."""
+    return params.get("lm_head", params["embed"])
+
+
+def logits(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
+    """Final norm and LM head: h [..., D] -> float32 logits [..., V]."""
+    return linear(rms_norm(h, params["final_norm"], cfg.rms_norm_eps), head_weight(params), jnp.float32)
+
+
+def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array | Packing | None,
+            cache: KVCache, width: Width | None = None, siblings: bool = False):
+    """The whole model: tokens [B, T] at positions [B, T] (or a prefill, as in run_layers) ->
+    hidden [B, T, D] (pre-norm), cache."""
+    return run_layers(params, cfg, embed(params, tokens), positions, cache, width=width, siblings=siblings)

@@ -1,0 +1,111 @@
+"""jspec's native CPU kernels, called through jax.ffi: a float32 matmul for a few rows
+(matmul.cc) and attention over the KV cache (attention.cc), both in this folder.
+
+XLA:CPU multiplies a few rows by a weight far below what memory bandwidth allows (it repacks
+the weight for a small matmul, and the multiply-and-sum `decoder.linear` uses instead is compute
+bound); the matmul streams each weight once per 16 rows on AVX2 + FMA (docs/design.md, "Few
+rows"). Its attention transposes the whole cache of every layer before multiplying; the
+attention kernel reads the cache in place (docs/design.md, "Attention on a CPU"). `decoder.linear`
+and `attention.attention` ask `takes` and `takes_attention` at trace time, so a program compiled
+with the kernels keeps them: call jax.clear_caches() after changing `enabled`.
+
+The kernels are optional. They are not used when the extension was not built (pip install
+prints why), when the CPU lacks AVX2 or FMA, or when JSPEC_NATIVE=0 is set; `unavailable` says
+which.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+TARGETS = {jnp.dtype(jnp.float32): "jspec_matmul", jnp.dtype(jnp.bfloat16): "jspec_matmul_bf16"}
+# The most float32 rows it is used for (docs/design.md, "Few rows"): above 32 the
+# multiply-and-sum of `decoder.linear` is as fast. One row takes it too: a decode step ran 13-19%
+# faster than with XLA's matrix-vector kernel (docs/journal/2026-11-27_one-row-through-the-kernel.md),
+# and a row then gets the same bits in a decode step as in a verification. A bfloat16 weight takes
+# it at every row count: XLA converts the whole weight before its matmul, and its
+# multiply-and-sum ran 13x slower inside the decoding loop than alone.
+MAX_ROWS = 32
+# Query positions per row the attention kernel takes: decode steps, verifications and beams. A
+# prefill's blocks of 64 stay XLA's, whose matmuls were faster there (0.83-0.92x with the kernel
+# over one 896-token prompt: docs/journal/2026-11-24_attention-kernel.md).
+MAX_QUERIES = 32
+
+
+def _load() -> str | None:
+    """Register the kernel with XLA; returns why it cannot be used, or None."""
+    if os.environ.get("JSPEC_NATIVE") == "0":
+        return "JSPEC_NATIVE=0 is set"
+    here = Path(__file__).parent
+    built = [here / f"_native{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES]
+    built = [p for p in built if p.is_file()]
+    if not built:
+        return "the extension jspec/model/kernels/_native was not built (pip install's log says why)"
+    try:
+        lib = ctypes.CDLL(str(built[0]))
+    except OSError as e:  # built for another system, say
+        return f"jspec/model/kernels/_native could not be loaded: {e}"
+    if not lib.jspec_cpu_supported():
+        return "this CPU lacks AVX2 or FMA"
+    jax.ffi.register_ffi_target(TARGETS[jnp.dtype(jnp.float32)], jax.ffi.pycapsule(lib.JspecMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(TARGETS[jnp.dtype(jnp.bfloat16)], jax.ffi.pycapsule(lib.JspecMatmulBf16), platform="cpu")
+    jax.ffi.register_ffi_target("jspec_attention", jax.ffi.pycapsule(lib.JspecAttention), platform="cpu")
+    return None
+
+
+unavailable = _load()  # why the kernel is not used; None when it is available
+enabled = unavailable is None  # read by `takes` at trace time
+
+
+def takes(x: jax.Array, w: jax.Array, rows: int) -> bool:
+    """Whether `decoder.linear` multiplies x (`rows` rows) by w with the kernel."""
+    if not enabled or x.dtype != jnp.float32 or jax.default_backend() != "cpu":
+        return False
+    return w.dtype == jnp.bfloat16 or (w.dtype == jnp.float32 and rows <= MAX_ROWS)
+
+
+@jax.custom_jvp
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [R, D] float32 times w [N, D] (float32 or bfloat16) transposed -> [R, N] float32."""
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"kernels.matmul needs x [R, D] and w [N, D], got {x.shape} and {w.shape}")
+    return jax.ffi.ffi_call(TARGETS[w.dtype], jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))(x, w)
+
+
+@matmul.defjvp
+def _matmul_jvp(primals, tangents):
+    # XLA cannot differentiate a foreign call. The tangent is linear in (dx, dw), so jax can
+    # transpose it too: gradients through `linear` (training a draft head) work.
+    (x, w), (dx, dw) = primals, tangents
+    return matmul(x, w), dx @ w.T + x @ dw.T
+
+
+def takes_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
+    """Whether `attention.attention` runs the attention kernel for queries q [B, T, K, G, H] over k, v."""
+    float32 = q.dtype == k.dtype == v.dtype == jnp.float32
+    return enabled and float32 and q.shape[1] <= MAX_QUERIES and jax.default_backend() == "cpu"
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid: jax.Array, prefix: jax.Array):
+    """q [B, T, K, G, H] over the cache k, v [B, S, K, H] (float32): query (b, t) sees keys
+    j < prefix[b, t] and key q_pos[b, t] (prefix <= q_pos + 1; q_pos + 1 is causal), those with
+    valid[b, j]. Returns the output [B, T, K, G, H] and the log of each query's softmax denominator
+    [B, T, K, G] (-inf where it sees no key), float32. No derivative: `attention.attention` gives it
+    the JAX path's."""
+    b, t, kv, g, h = q.shape
+    if (k.shape != (b, k.shape[1], kv, h) or v.shape != k.shape or q_pos.shape != (b, t) or prefix.shape != (b, t)
+            or valid.shape != k.shape[:2]):
+        raise ValueError(f"kernels.attention needs q [B, T, K, G, H], k and v [B, S, K, H], q_pos and prefix [B, T] "
+                         f"and valid [B, S], got {q.shape}, {k.shape}, {v.shape}, {q_pos.shape}, {prefix.shape} "
+                         f"and {valid.shape}")
+    call = jax.ffi.ffi_call("jspec_attention", (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                                                jax.ShapeDtypeStruct(q.shape[:4], jnp.float32)))
+    return call(q, k, v, q_pos.astype(jnp.int32), prefix.astype(jnp.int32), valid.astype(jnp.bool_),
+                scale=np.float32(h ** -0.5))

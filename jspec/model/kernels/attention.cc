@@ -1,0 +1,308 @@
+// Attention of a few queries per row over jspec's KV cache on a CPU (called through jax.ffi from
+// jspec/model/kernels/__init__.py): q [B, T, K, G, H], cache k and v [B, S, K, H] (rows, positions, kv heads,
+// head dim), query (b, t) sees keys j < from[b, t] and key pos[b, t] (from <= pos + 1; from =
+// pos + 1 is causal attention, less lets a query skip the keys of alternatives to it, a round's
+// candidates side by side), those with valid[b, j] set; out [B, T, K, G, H] and
+// the log of each query's softmax denominator, lse [B, T, K, G] (-inf where it sees no key), with
+// which a caller merges this attention with one over keys kept elsewhere (MJSD's beams).
+//
+// Why not XLA: its dot contracts over (row, kv head) pairs, so XLA:CPU first transposes every
+// layer's whole cache to [B, K, S, H], reading and writing it once more per step; at batch 8
+// over a long prompt that was most of a decode step (docs/design.md, "Attention on a CPU"). Here
+// each chunk of 128 cache positions is read once per block of 16 query positions of a row (all
+// kv heads), and only up to the last position a query of that block sees.
+//
+// Every output is computed the same way whatever else the call holds: a score is 8 lanes along
+// H then the same sum of the lanes, a chunk's softmax runs over its visible keys in position
+// order, the weighted sum of values adds them in position order, and the chunks combine in
+// order. So a query gets the same bits alone, among the K + 1 of a verification, in a batch, or
+// over a longer cache: attention is batch invariant by construction.
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "common.h"
+
+namespace ffi = xla::ffi;
+using Queries = ffi::Buffer<ffi::F32, 5>;  // q and out [B, T, K, G, H]
+using Cache = ffi::Buffer<ffi::F32, 4>;    // k and v [B, S, K, H]
+using jspec::ParallelFor;
+using jspec::Sum8;
+
+namespace {
+
+constexpr int64_t kBlockQueries = 16;  // query positions t per work item
+
+// The lane sums of 8 vectors, each ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)): the same
+// order for every vector, whichever others share the call.
+AVX2 inline __m256 Sum8x8(const __m256* x) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(x[4], x[5]), _mm256_hadd_ps(x[6], x[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// scores[i, j] = q_i . k_j for NQ queries (contiguous, H apart) and NK keys (key_stride apart):
+// a 4 x 3 register tile loads each 8 floats of a key once for 4 queries.
+template <int NQ, int NK>
+AVX2 void ScoreTile(const float* q, const float* k, int64_t key_stride, int64_t h, __m256i tail,
+                    float* scores, int64_t score_stride) {
+  __m256 acc[NQ][NK];
+  for (int i = 0; i < NQ; ++i)
+    for (int j = 0; j < NK; ++j) acc[i][j] = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 8 <= h; c += 8) {
+    __m256 kv[NK];
+    for (int j = 0; j < NK; ++j) kv[j] = _mm256_loadu_ps(k + j * key_stride + c);
+    for (int i = 0; i < NQ; ++i) {
+      const __m256 qv = _mm256_loadu_ps(q + i * h + c);
+      for (int j = 0; j < NK; ++j) acc[i][j] = _mm256_fmadd_ps(qv, kv[j], acc[i][j]);
+    }
+  }
+  if (c < h) {  // masked loads read zeros past the end of a head
+    __m256 kv[NK];
+    for (int j = 0; j < NK; ++j) kv[j] = _mm256_maskload_ps(k + j * key_stride + c, tail);
+    for (int i = 0; i < NQ; ++i) {
+      const __m256 qv = _mm256_maskload_ps(q + i * h + c, tail);
+      for (int j = 0; j < NK; ++j) acc[i][j] = _mm256_fmadd_ps(qv, kv[j], acc[i][j]);
+    }
+  }
+  __m256 flat[16];
+  for (int i = 0; i < 16; ++i) flat[i] = i < NQ * NK ? acc[i / NK][i % NK] : _mm256_setzero_ps();
+  alignas(32) float sums[16];
+  _mm256_store_ps(sums, Sum8x8(flat));
+  if (NQ * NK > 8) _mm256_store_ps(sums + 8, Sum8x8(flat + 8));
+  for (int i = 0; i < NQ; ++i)
+    for (int j = 0; j < NK; ++j) scores[i * score_stride + j] = sums[i * NK + j];
+}
+
+using ScoreFn = void (*)(const float*, const float*, int64_t, int64_t, __m256i, float*, int64_t);
+constexpr ScoreFn kScoreTiles[4][3] = {
+    {ScoreTile<1, 1>, ScoreTile<1, 2>, ScoreTile<1, 3>},
+    {ScoreTile<2, 1>, ScoreTile<2, 2>, ScoreTile<2, 3>},
+    {ScoreTile<3, 1>, ScoreTile<3, 2>, ScoreTile<3, 3>},
+    {ScoreTile<4, 1>, ScoreTile<4, 2>, ScoreTile<4, 3>},
+};
+
+// e^x for x <= 0 (a score minus its row's maximum): x = n ln 2 + r, |r| <= ln 2 / 2, e^r by a
+// degree-6 polynomial (Cephes' expf coefficients), 2^n through the exponent bits. Below -87 the
+// result is 0.
+AVX2 inline __m256 Exp(__m256 x) {
+  const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(scale)));
+}
+
+// acc[r, e] = sum_j p[r, j] v_j[e] for NQ query rows of p (p_stride apart) and `lanes` <= 8 * NC
+// values of each v_j (v_stride apart), j in position order.
+template <int NQ, int NC>
+AVX2 void ValueTile(const float* p, int64_t p_stride, const float* v, int64_t v_stride, int64_t lanes,
+                    float* acc) {
+  alignas(32) int32_t mask[16];
+  for (int e = 0; e < 16; ++e) mask[e] = e < lanes ? -1 : 0;
+  __m256i m[NC];
+  for (int c = 0; c < NC; ++c) m[c] = _mm256_load_si256(reinterpret_cast<const __m256i*>(mask + 8 * c));
+  __m256 a[NQ][NC];
+  for (int r = 0; r < NQ; ++r)
+    for (int c = 0; c < NC; ++c) a[r][c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < p_stride; ++j) {
+    __m256 vv[NC];
+    for (int c = 0; c < NC; ++c) vv[c] = _mm256_maskload_ps(v + j * v_stride + 8 * c, m[c]);
+    for (int r = 0; r < NQ; ++r) {
+      const __m256 pr = _mm256_set1_ps(p[r * p_stride + j]);
+      for (int c = 0; c < NC; ++c) a[r][c] = _mm256_fmadd_ps(pr, vv[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < NQ; ++r)
+    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(acc + r * 16 + 8 * c, a[r][c]);
+}
+
+using ValueFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*);
+constexpr ValueFn kValueTiles[4][2] = {
+    {ValueTile<1, 1>, ValueTile<1, 2>},
+    {ValueTile<2, 1>, ValueTile<2, 2>},
+    {ValueTile<3, 1>, ValueTile<3, 2>},
+    {ValueTile<4, 1>, ValueTile<4, 2>},
+};
+
+struct Shapes {
+  int64_t b, t, kv, g, s, h;
+};
+
+// Softmax of one chunk of a query's scores row[0, count) (keys c0 ..), in place: p_j =
+// e^(score_j - top) over the visible keys, exactly 0 elsewhere. Returns top (-inf when no key of
+// the chunk is visible) and sets sum = sum_j p_j, 8 lanes by position mod 8, then Sum8.
+AVX2 float ChunkSoftmax(float* row, int64_t count, int64_t c0, int64_t from, int64_t last, const bool* valid,
+                        float scale, float& sum) {
+  const float low = -std::numeric_limits<float>::infinity();
+  float top = low;
+  for (int64_t j = 0; j < count; ++j) {
+    const int64_t key = c0 + j;  // visible: below `from`, or the query's own key `last`
+    row[j] = (key >= from && key != last) || !valid[key] ? low : row[j] * scale;
+    top = std::max(top, row[j]);
+  }
+  if (top == low) {
+    std::fill_n(row, count, 0.0f);
+    sum = 0.0f;
+    return top;
+  }
+  const __m256 top8 = _mm256_set1_ps(top), low8 = _mm256_set1_ps(low);
+  __m256 sum8 = _mm256_setzero_ps();
+  for (int64_t j = 0; j < count; j += 8) {
+    alignas(32) float part[8];
+    std::fill_n(part, 8, low);
+    std::copy(row + j, row + std::min<int64_t>(j + 8, count), part);
+    const __m256 x = _mm256_load_ps(part);
+    const __m256 p = _mm256_andnot_ps(_mm256_cmp_ps(x, low8, _CMP_EQ_OQ), Exp(_mm256_sub_ps(x, top8)));
+    _mm256_store_ps(part, p);
+    std::copy(part, part + std::min<int64_t>(8, count - j), row + j);
+    sum8 = _mm256_add_ps(sum8, p);
+  }
+  sum = Sum8(sum8);
+  return top;
+}
+
+// A work item: the queries of positions [t0, t1) of row b, every kv head, over the keys of one
+// chunk [c0, c0 + kChunkKeys) that they can see. Each query's partial result for the chunk is
+// (top, sum, acc[H] = sum_j p_j v_j in position order), combined over chunks by Combine.
+constexpr int64_t kChunkKeys = 128;  // a multiple of 8: a chunk's lanes are positions mod 8
+
+AVX2 void Chunk(const Shapes& n, const float* q, const float* k, const float* v, const int32_t* pos,
+                const int32_t* from, const bool* valid, float scale, float* partial, int64_t chunks, int64_t b,
+                int64_t t0, int64_t t1, int64_t chunk) {
+  thread_local std::vector<float> qs, scores, kbuf, vbuf;  // a thread's scratch, kept between calls
+  const int64_t h = n.h, g = n.g, key_stride = n.kv * h, nq = (t1 - t0) * g, stride = h + 2;
+  int64_t keys = 0;  // keys [0, keys) are all the block's queries can see
+  for (int64_t t = t0; t < t1; ++t) keys = std::max<int64_t>(keys, int64_t{pos[b * n.t + t]} + 1);
+  const int64_t c0 = chunk * kChunkKeys, c1 = std::min({c0 + kChunkKeys, keys, n.s}), count = c1 - c0;
+  alignas(32) int32_t lanes[8];
+  for (int i = 0; i < 8; ++i) lanes[i] = i < h % 8 ? -1 : 0;
+  const __m256i tail = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
+  alignas(32) float acc[4 * 16];
+  // The chunk's keys and values are contiguous in the cache ([count, K, H] of row b): one
+  // sequential copy of each streams them from memory at full speed, where the per-head passes
+  // below, 1 of every K heads' bytes at a time, left the prefetchers behind.
+  if (count > 0) {
+    kbuf.resize(count * key_stride);
+    vbuf.resize(count * key_stride);
+    std::copy_n(k + (b * n.s + c0) * key_stride, count * key_stride, kbuf.data());
+    std::copy_n(v + (b * n.s + c0) * key_stride, count * key_stride, vbuf.data());
+  }
+  for (int64_t kh = 0; kh < n.kv; ++kh) {
+    auto out = [&](int64_t i) {
+      const int64_t query = ((b * n.t + t0 + i / g) * n.kv + kh) * g + i % g;
+      return partial + (query * chunks + chunk) * stride;
+    };
+    if (count <= 0) {
+      for (int64_t i = 0; i < nq; ++i) out(i)[0] = -std::numeric_limits<float>::infinity();
+      continue;
+    }
+    qs.resize(nq * h);  // the block's queries for kv head kh, contiguous
+    for (int64_t t = t0; t < t1; ++t)
+      std::copy_n(q + ((b * n.t + t) * n.kv + kh) * g * h, g * h, qs.data() + (t - t0) * g * h);
+    scores.resize(nq * count);
+    const float* kb = kbuf.data() + kh * h;
+    for (int64_t j = 0; j < count; j += 3) {
+      const int64_t nk = std::min<int64_t>(3, count - j);
+      for (int64_t i = 0; i < nq; i += 4) {
+        const int64_t ni = std::min<int64_t>(4, nq - i);
+        kScoreTiles[ni - 1][nk - 1](qs.data() + i * h, kb + j * key_stride, key_stride, h, tail,
+                                    scores.data() + i * count + j, count);
+      }
+    }
+    for (int64_t i = 0; i < nq; ++i) {
+      float* o = out(i);
+      const int64_t query = b * n.t + t0 + i / g;
+      o[0] = ChunkSoftmax(scores.data() + i * count, count, c0, from[query], pos[query], valid + b * n.s, scale, o[1]);
+    }
+    const float* vb = vbuf.data() + kh * h;
+    for (int64_t i = 0; i < nq; i += 4) {
+      const int64_t ni = std::min<int64_t>(4, nq - i);
+      for (int64_t c = 0; c < h; c += 16) {
+        const int64_t width = std::min<int64_t>(16, h - c);
+        kValueTiles[ni - 1][width > 8 ? 1 : 0](scores.data() + i * count, count, vb + c, key_stride, width, acc);
+        for (int64_t r = 0; r < ni; ++r) std::copy_n(acc + r * 16, width, out(i + r) + 2 + c);
+      }
+    }
+  }
+}
+
+// out = sum_c w_c acc_c / sum_c w_c sum_c with w_c = e^(top_c - top), chunks in order;
+// lse = top + log(sum_c w_c sum_c).
+void Combine(const float* partial, int64_t chunks, int64_t h, float* out, float* lse) {
+  const int64_t stride = h + 2;
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t c = 0; c < chunks; ++c) top = std::max(top, partial[c * stride]);
+  std::fill_n(out, h, 0.0f);
+  *lse = top;
+  if (top == -std::numeric_limits<float>::infinity()) return;  // no visible key: zeros
+  float sum = 0.0f;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const float* p = partial + c * stride;
+    if (p[0] == -std::numeric_limits<float>::infinity()) continue;
+    const float w = std::exp(p[0] - top);
+    sum += w * p[1];
+    for (int64_t e = 0; e < h; ++e) out[e] += w * p[2 + e];
+  }
+  for (int64_t e = 0; e < h; ++e) out[e] /= sum;
+  *lse = top + std::log(sum);
+}
+
+ffi::Error Attention(ffi::ThreadPool pool, Queries q, Cache k, Cache v, ffi::Buffer<ffi::S32, 2> pos,
+                     ffi::Buffer<ffi::S32, 2> from, ffi::Buffer<ffi::PRED, 2> valid, float scale,
+                     ffi::Result<Queries> out, ffi::Result<ffi::Buffer<ffi::F32, 4>> lse) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  Shapes n{qd[0], qd[1], qd[2], qd[3], kd[1], qd[4]};
+  if (kd[0] != n.b || kd[2] != n.kv || kd[3] != n.h || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] ||
+      vd[3] != kd[3])
+    return ffi::Error::InvalidArgument("jspec_attention: q, k and v disagree in shape");
+  const int64_t queries = n.b * n.t * n.kv * n.g;
+  if (queries == 0 || n.h == 0) return ffi::Error::Success();
+  // Items are (row, block of 16 query positions, chunk of keys), so even one query over a long
+  // cache keeps both cores busy, each reading its own chunk.
+  const int64_t t_blocks = (n.t + kBlockQueries - 1) / kBlockQueries;
+  const int64_t chunks = std::max<int64_t>(1, (n.s + kChunkKeys - 1) / kChunkKeys);
+  std::vector<float> partial(queries * chunks * (n.h + 2));
+  const float *qs = q.typed_data(), *ks = k.typed_data(), *vs = v.typed_data();
+  const int32_t *ps = pos.typed_data(), *fs = from.typed_data();
+  const bool* valids = valid.typed_data();
+  float* partials = partial.data();
+  ParallelFor(pool, n.b * t_blocks * chunks, [=](int64_t item) {
+    const int64_t chunk = item % chunks, tb = (item / chunks) % t_blocks, b = item / (chunks * t_blocks);
+    const int64_t t0 = tb * kBlockQueries;
+    Chunk(n, qs, ks, vs, ps, fs, valids, scale, partials, chunks, b, t0, std::min(n.t, t0 + kBlockQueries), chunk);
+  });
+  float *o = out->typed_data(), *l = lse->typed_data();
+  for (int64_t i = 0; i < queries; ++i) Combine(partials + i * chunks * (n.h + 2), chunks, n.h, o + i * n.h, l + i);
+  return ffi::Error::Success();
+}
+
+auto Binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<Queries>()
+      .Arg<Cache>()
+      .Arg<Cache>()
+      .Arg<ffi::Buffer<ffi::S32, 2>>()
+      .Arg<ffi::Buffer<ffi::S32, 2>>()
+      .Arg<ffi::Buffer<ffi::PRED, 2>>()
+      .Attr<float>("scale")
+      .Ret<Queries>()
+      .Ret<ffi::Buffer<ffi::F32, 4>>();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecAttention, Attention, Binding());

@@ -1,0 +1,139 @@
+// out[R, N] = x[R, D] @ w[N, D]^T in float32, w float32 or bfloat16, for the few rows of a
+// decode step or a verification on a CPU (called through jax.ffi from jspec/model/kernels). A bfloat16
+// weight is widened in registers (its 16 bits are a float32's top half), never copied.
+//
+// Why not XLA: its dot repacks the whole weight before multiplying a few rows, and the fused
+// multiply-and-sum jspec used instead costs more per row than it must (docs/design.md, "Few
+// rows"). Here w is read in place, row-major [N, D] as jspec stores it: each output is a dot
+// product along D, so a tile of 4 rows x 3 weight rows keeps 12 accumulators in registers and
+// loads every 8 weight floats once for all 4 rows. A chunk of up to 16 rows walks 3 weight rows
+// at a time while they sit in L1. A thread takes 48 weight rows at a time (under 300 KB, which
+// stays in L2 for the next chunk), so the weight comes from memory once per call.
+//
+// Every output is summed in the same order (8 lanes along D, then the same horizontal sum),
+// whatever the number of rows, the tile it fell in or the thread that ran it: a row gets the same
+// bits alone or in a batch.
+
+#include "common.h"
+
+namespace ffi = xla::ffi;
+using Matrix = ffi::Buffer<ffi::F32, 2>;
+using jspec::ParallelFor;
+using jspec::Sum8;
+
+namespace {
+
+constexpr int64_t kTileRows = 4;      // rows of x per register tile
+constexpr int64_t kTileCols = 3;      // weight rows per register tile (4 x 3 = 12 of 16 ymm registers)
+constexpr int64_t kChunkRows = 16;    // rows whose tiles share one pass over 3 weight rows in L1
+constexpr int64_t kBlockCols = 48;    // weight rows a thread claims at a time
+
+// 8 weights from p as float32; Tail reads the last d % 8 of a row, zeros past its end.
+AVX2 inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+AVX2 inline __m256 Load8(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+AVX2 inline __m256 Tail(const float* p, int64_t, __m256i mask) { return _mm256_maskload_ps(p, mask); }
+AVX2 inline __m256 Tail(const uint16_t* p, int64_t count, __m256i) {
+  uint16_t part[8] = {0};
+  std::copy(p, p + count, part);
+  return Load8(part);
+}
+
+// out[r, n] for RB rows of x (stride d) and NB rows of w (stride d); out has stride n_total.
+template <int RB, int NB, typename W>
+AVX2 void Tile(const float* x, const W* w, int64_t d, __m256i tail, float* out, int64_t n_total) {
+  __m256 acc[RB][NB];
+  for (int r = 0; r < RB; ++r)
+    for (int n = 0; n < NB; ++n) acc[r][n] = _mm256_setzero_ps();
+  // The next tile's weight rows follow these in memory: fetch them while this tile computes
+  // (two lines per step cover NB <= 4 rows; past the end of w a prefetch is a harmless hint).
+  // Into L2, not L1: fetched into L1 they made a forward over 3 to 13 rows 22-28% slower on an
+  // AVX-512 AMD EPYC host, where into L2 the weight streams at about the memory's pace up to 5
+  // rows (docs/design.md, "Prefetching into L2").
+  const char* next = reinterpret_cast<const char*>(w + NB * d);
+  int64_t k = 0;
+  for (; k + 8 <= d; k += 8) {
+    _mm_prefetch(next + sizeof(W) * NB * k, _MM_HINT_T1);
+    _mm_prefetch(next + sizeof(W) * NB * k + 64, _MM_HINT_T1);
+    __m256 wv[NB];
+    for (int n = 0; n < NB; ++n) wv[n] = Load8(w + n * d + k);
+    for (int r = 0; r < RB; ++r) {
+      __m256 xv = _mm256_loadu_ps(x + r * d + k);
+      for (int n = 0; n < NB; ++n) acc[r][n] = _mm256_fmadd_ps(xv, wv[n], acc[r][n]);
+    }
+  }
+  if (k < d) {  // masked loads read zeros past the end of a row
+    __m256 wv[NB];
+    for (int n = 0; n < NB; ++n) wv[n] = Tail(w + n * d + k, d - k, tail);
+    for (int r = 0; r < RB; ++r) {
+      __m256 xv = _mm256_maskload_ps(x + r * d + k, tail);
+      for (int n = 0; n < NB; ++n) acc[r][n] = _mm256_fmadd_ps(xv, wv[n], acc[r][n]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int n = 0; n < NB; ++n) out[r * n_total + n] = Sum8(acc[r][n]);
+}
+
+template <typename W>
+using TileFn = void (*)(const float*, const W*, int64_t, __m256i, float*, int64_t);
+template <typename W>
+constexpr TileFn<W> kTiles[kTileRows][kTileCols] = {
+    {Tile<1, 1, W>, Tile<1, 2, W>, Tile<1, 3, W>},
+    {Tile<2, 1, W>, Tile<2, 2, W>, Tile<2, 3, W>},
+    {Tile<3, 1, W>, Tile<3, 2, W>, Tile<3, 3, W>},
+    {Tile<4, 1, W>, Tile<4, 2, W>, Tile<4, 3, W>},
+};
+
+// Columns [n0, n1) of out for all rows.
+template <typename W>
+AVX2 void Columns(const float* x, const W* w, float* out, int64_t rows, int64_t n_total, int64_t d,
+                  int64_t n0, int64_t n1) {
+  alignas(32) int32_t lanes[8];
+  for (int i = 0; i < 8; ++i) lanes[i] = i < d % 8 ? -1 : 0;
+  const __m256i tail = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
+  for (int64_t c = 0; c < rows; c += kChunkRows) {
+    const int64_t c_end = std::min(rows, c + kChunkRows);
+    for (int64_t n = n0; n < n1; n += kTileCols) {
+      const int64_t nb = std::min(kTileCols, n1 - n);
+      for (int64_t r = c; r < c_end; r += kTileRows) {
+        const int64_t rb = std::min(kTileRows, c_end - r);
+        kTiles<W>[rb - 1][nb - 1](x + r * d, w + n * d, d, tail, out + r * n_total + n, n_total);
+      }
+    }
+  }
+}
+
+// WT is the weight's dtype: F32, or BF16 (whose native type is its 16 bits, uint16_t). A work
+// item is a block of kBlockCols weight rows.
+template <ffi::DataType WT>
+ffi::Error Matmul(ffi::ThreadPool pool, Matrix x, ffi::Buffer<WT, 2> w, ffi::Result<Matrix> out) {
+  using W = ffi::NativeType<WT>;
+  const int64_t rows = x.dimensions()[0], d = x.dimensions()[1], n_total = w.dimensions()[0];
+  if (w.dimensions()[1] != d) return ffi::Error::InvalidArgument("jspec_matmul: x and w differ in D");
+  if (rows == 0 || n_total == 0) return ffi::Error::Success();
+  const float* xs = x.typed_data();
+  const W* ws = w.typed_data();
+  float* os = out->typed_data();
+  ParallelFor(pool, (n_total + kBlockCols - 1) / kBlockCols, [=](int64_t block) {
+    const int64_t n0 = block * kBlockCols;
+    Columns(xs, ws, os, rows, n_total, d, n0, std::min(n_total, n0 + kBlockCols));
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+template <ffi::DataType WT>
+auto Binding() {
+  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<Matrix>().Arg<ffi::Buffer<WT, 2>>().template Ret<Matrix>();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecMatmul, Matmul<ffi::F32>, Binding<ffi::F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecMatmulBf16, Matmul<ffi::BF16>, Binding<ffi::BF16>());
+
+extern "C" int jspec_cpu_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}

@@ -1,0 +1,98 @@
+"""Sharding over a `Mesh` with a `data` axis (batch rows) and a `model` axis (tensor parallel).
+
+A rules table maps each parameter name to the mesh axis of each of its dimensions: RULES for the
+target's, and each part a drafter carries declares its own (jspec.parts: a head's extend these). A dimension that does not divide evenly by its axis size stays replicated
+(SmolLM2's 3 kv heads on 4 devices, say): correct, only less parallel. jit's sharding propagation
+does the rest.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jspec.errors import JspecError
+
+# Parameter name -> mesh axis of each dimension of the [out, in] weights (Megatron style: the
+# projections in split their outputs, the projections out split their inputs).
+RULES: dict[str, tuple[str | None, ...]] = {
+    "embed": ("model", None),
+    "lm_head": ("model", None),
+    "final_norm": (None,),
+    "attn_norm": (None,),
+    "mlp_norm": (None,),
+    "wqkv": ("model", None),
+    "bqkv": ("model",),
+    "wo": (None, "model"),
+    "w_gate_up": ("model", None),
+    "w_down": (None, "model"),
+}
+# KV cache per layer [B, S, K, H]: rows over data, kv heads over model.
+CACHE_RULE = ("data", None, "model", None)
+
+
+def parse_mesh(spec: str) -> dict[str, int]:
+    """'data=2,model=4' -> {"data": 2, "model": 4}; an axis left out has size 1."""
+    given = {}
+    for part in spec.replace(" ", "").split(","):
+        name, _, value = part.partition("=")
+        if name not in ("data", "model") or name in given or not value.isdigit() or int(value) < 1:
+            raise JspecError(f"bad --mesh {spec!r}: write it as data=N,model=M, each axis at most once")
+        given[name] = int(value)
+    return {"data": 1, "model": 1, **given}
+
+
+def make_mesh(spec: str | Mesh | None) -> Mesh | None:
+    """'data=2,model=4' -> Mesh over the first data*model devices; either axis may be left out."""
+    if isinstance(spec, Mesh):
+        if set(spec.axis_names) != {"data", "model"}:  # the sharding rules name these two axes
+            raise JspecError(f"a mesh needs the axes 'data' and 'model', this one has {spec.axis_names}")
+        return spec
+    if spec is None:
+        return None
+    if not isinstance(spec, str):
+        raise JspecError(f"mesh takes 'data=N,model=M' or a jax.sharding.Mesh, got {spec!r}")
+    sizes = parse_mesh(spec)
+    need, have = sizes["data"] * sizes["model"], len(jax.devices())
+    if need > have:
+        raise JspecError(f"--mesh {spec} needs {need} devices but only {have} are available")
+    devices = np.array(jax.devices()[:need]).reshape(sizes["data"], sizes["model"])
+    return Mesh(devices, ("data", "model"))
+
+
+def _spec(mesh: Mesh, axes: tuple[str | None, ...], shape: tuple[int, ...]) -> P:
+    return P(*(a if a is not None and dim % mesh.shape[a] == 0 else None for a, dim in zip(axes, shape)))
+
+
+def shardings(tree, mesh: Mesh, rules: dict[str, tuple[str | None, ...]] = RULES):
+    """A NamedSharding for every leaf of `tree` (arrays, or shapes as tuples), by the rules entry of
+    the name it is stored under (its dict key)."""
+
+    def one(path, leaf):
+        name = re.sub(r"\W", "", str(path[-1]))
+        shape = leaf if isinstance(leaf, tuple) else leaf.shape
+        return NamedSharding(mesh, _spec(mesh, rules[name], shape))
+
+    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """Every device holds all of it."""
+    return NamedSharding(mesh, P())
+
+
+def cache_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+    return NamedSharding(mesh, _spec(mesh, CACHE_RULE, shape))
+
+
+def rows_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+    """Per-row inputs ([B, ...]) are split over the data axis."""
+    return NamedSharding(mesh, _spec(mesh, ("data",) + (None,) * (len(shape) - 1), shape))
+
+
+def place(tree, mesh: Mesh | None, rules: dict[str, tuple[str | None, ...]] = RULES):
+    """`tree` on `mesh`, split by `rules` (None: left where it is, one device)."""
+    return tree if mesh is None else jax.device_put(tree, shardings(tree, mesh, rules))

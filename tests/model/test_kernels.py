@@ -1,0 +1,193 @@
+"""jspec's native kernels (jspec/model/kernels): the few-rows matmul, for float32 and bfloat16 weights, and attention
+over the KV cache. Each equals the JAX path and gives a row (a query) the same bits whatever else
+the call holds, `decoder.linear` and `attention.attention` take them only where they should, generation
+with them emits the same tokens as without, and jspec runs without them (JSPEC_NATIVE=0).
+
+Tests that need the kernel skip, with the reason, when it is unavailable (not built, no AVX2,
+JSPEC_NATIVE=0). The choice is made at trace time, so each switch clears jax's caches.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jspec.api import Model
+from jspec.model import attention, decoder as M, kernels
+
+
+@pytest.fixture
+def kernel():
+    if kernels.unavailable:
+        pytest.skip(f"the native kernel is unavailable: {kernels.unavailable}")
+
+
+def random(shape, seed):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16, 17, 31, 33, 64])
+@pytest.mark.parametrize("n, d", [(7, 64), (50, 13), (97, 100), (48, 1)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_matmul_equals_jax(kernel, rows, n, d, dtype):
+    """Weights in float32, or bfloat16 (widened exactly, so the reference is the rounded weight)."""
+    x, w = random((rows, d), 0), random((n, d), 1).astype(dtype).astype(jnp.float32)
+    got = jax.jit(kernels.matmul)(x, w.astype(dtype))
+    want = jnp.einsum("rd,nd->rn", x, w, precision="highest")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_row_gets_the_same_bits_in_any_batch(kernel, dtype):
+    x, w = random((80, 100), 2), random((61, 100), 3).astype(dtype)
+    full = np.asarray(jax.jit(kernels.matmul)(x, w))
+    for rows in (1, 3, 16, 17, 72):
+        np.testing.assert_array_equal(np.asarray(jax.jit(kernels.matmul)(x[:rows], w)), full[:rows])
+
+
+def test_gradient_is_the_jax_one(kernel):
+    x, w = random((5, 24), 4), random((9, 24), 5)
+    loss = lambda f: lambda x, w: jnp.sum(jnp.tanh(f(x, w)))
+    got = jax.grad(loss(kernels.matmul), argnums=(0, 1))(x, w)
+    want = jax.grad(loss(lambda x, w: x @ w.T), argnums=(0, 1))(x, w)
+    for g, e in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), atol=1e-5)
+
+
+def test_bad_shapes_are_refused(kernel):
+    with pytest.raises(ValueError, match="needs x \\[R, D\\] and w \\[N, D\\]"):
+        kernels.matmul(random((2, 8), 0), random((3, 9), 1))
+
+
+def calls_kernel(x, w) -> bool:
+    return "jspec_matmul" in str(jax.make_jaxpr(M.linear)(x, w))
+
+
+def test_linear_takes_the_kernel_only_in_its_range(kernel, use_native):
+    w = random((6, 16), 0)
+    for rows, expected in [(1, True), (2, True), (kernels.MAX_ROWS, True), (kernels.MAX_ROWS + 1, False)]:
+        assert calls_kernel(random((1, rows, 16), 1), w) == expected, rows
+    x = random((1, 4, 16), 1)
+    for rows in (1, 4, 300):  # bfloat16 weights take it at every row count
+        assert calls_kernel(random((1, rows, 16), 1), w.astype(jnp.bfloat16)), rows
+    use_native(False)
+    assert not calls_kernel(x, w)
+    assert not calls_kernel(x, w.astype(jnp.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_linear_fallback_equals_kernel(kernel, use_native, dtype):
+    x, w = random((2, 3, 40), 6), random((33, 40), 7).astype(dtype)
+    with_kernel = np.asarray(jax.jit(M.linear)(x, w))
+    use_native(False)
+    np.testing.assert_allclose(np.asarray(jax.jit(M.linear)(x, w)), with_kernel, atol=1e-5)
+
+
+def attention_inputs(b, t, kv, g, h, s, seed):
+    rng = np.random.default_rng(seed)
+    q, k, v = random((b, t, kv, g, h), seed), random((b, s, kv, h), seed + 1), random((b, s, kv, h), seed + 2)
+    q_pos = jnp.asarray(rng.integers(0, s + 2, (b, t)), jnp.int32)  # past the cache's end sees all of it
+    valid = jnp.asarray(rng.random((b, s)) > 0.3).at[:, 0].set(True)
+    return q, k, v, q_pos, valid
+
+
+# (B, T, kv heads, G, H, S): a decode step, a verification, a prefill block; odd head dims.
+ATTENTION_SHAPES = [(1, 1, 3, 3, 64, 50), (2, 5, 3, 3, 64, 40), (3, 17, 2, 2, 13, 30), (2, 40, 1, 4, 9, 70),
+                    (1, 3, 2, 1, 128, 9)]
+
+
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES)
+def test_attention_equals_jax(kernel, shape):
+    """Causal (prefix = q_pos + 1, what the JAX path does without one) and with a gap below each
+    query's own key (a candidate side by side with others)."""
+    q, k, v, q_pos, valid = attention_inputs(*shape, seed=0)
+    gap = q_pos + 1 - jnp.asarray(np.random.default_rng(1).integers(0, 4, q_pos.shape), jnp.int32)
+    for mask, prefix in ((jnp.ones_like(valid), None), (valid, None), (valid, jnp.maximum(gap, 1))):  # key 0: valid
+        got, got_lse = jax.jit(kernels.attention)(q, k, v, q_pos, mask, q_pos + 1 if prefix is None else prefix)
+        want, want_lse = attention.xla_attention(q, k, v, q_pos, mask, prefix)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+        np.testing.assert_allclose(np.asarray(got_lse), np.asarray(want_lse), atol=1e-5, rtol=1e-6)
+
+
+def test_attention_over_chunks_equals_jax(kernel):
+    """A cache of several 128-key chunks, queries seeing some of them: the partial softmaxes combine."""
+    q, k, v, _, valid = attention_inputs(2, 3, 2, 2, 16, 300, seed=5)
+    q_pos = jnp.asarray([[5, 130, 299], [256, 257, 40]], jnp.int32)
+    got, got_lse = jax.jit(kernels.attention)(q, k, v, q_pos, valid, q_pos + 1)
+    want, want_lse = attention.xla_attention(q, k, v, q_pos, valid)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(got_lse), np.asarray(want_lse), atol=1e-5, rtol=1e-6)
+
+
+def test_attention_query_gets_the_same_bits_in_any_call(kernel):
+    """A query alone, among the K + 1 of a verification, in a batch, over a longer cache."""
+    q, k, v, q_pos, valid = attention_inputs(4, 9, 3, 3, 64, 60, seed=1)
+    q_pos = jnp.minimum(q_pos, 40)
+    full = np.asarray(jax.jit(kernels.attention)(q, k, v, q_pos, valid, q_pos + 1)[0])
+    for b, t in [(0, 0), (2, 5), (3, 8)]:
+        at = q_pos[b:b + 1, t:t + 1]
+        alone = jax.jit(kernels.attention)(q[b:b + 1, t:t + 1], k[b:b + 1], v[b:b + 1], at, valid[b:b + 1], at + 1)[0]
+        np.testing.assert_array_equal(np.asarray(alone)[0, 0], full[b, t])
+    shorter = jax.jit(kernels.attention)(q, k[:, :41], v[:, :41], q_pos, valid[:, :41], q_pos + 1)[0]
+    np.testing.assert_array_equal(np.asarray(shorter), full)
+
+
+def test_attention_gradient_is_the_jax_one(kernel):
+    q, k, v, q_pos, valid = attention_inputs(2, 3, 2, 2, 8, 12, seed=2)
+    loss = lambda f: lambda q, k, v: jnp.sum(jnp.tanh(f(q, k, v, q_pos, valid)))
+    got = jax.grad(loss(attention.attention), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(loss(lambda *a: attention.xla_attention(*a)[0]), argnums=(0, 1, 2))(q, k, v)
+    for g, e in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), atol=1e-5)
+
+
+def test_attention_takes_the_kernel_up_to_max_queries(kernel, use_native):
+    def calls(t):
+        q, k, v, q_pos, _ = attention_inputs(1, t, 1, 2, 8, 40, seed=3)
+        return "jspec_attention" in str(jax.make_jaxpr(attention.attention)(q, k, v, q_pos))
+
+    assert calls(1) and calls(kernels.MAX_QUERIES) and not calls(kernels.MAX_QUERIES + 1)
+    use_native(False)
+    assert not calls(1)
+
+
+def test_attention_bad_shapes_are_refused(kernel):
+    q, k, v, q_pos, valid = attention_inputs(1, 2, 1, 2, 8, 6, seed=4)
+    with pytest.raises(ValueError, match="kernels.attention needs"):
+        kernels.attention(q, k[:, :, :, :4], v, q_pos, valid, q_pos + 1)
+
+
+# (method, options, batch size): one row, K + 1 rows and four rows of K + 1.
+RUNS = [("ar", {}, 1), ("ar", {}, 4), ("ngram", {}, 1), ("layer-skip", dict(skip_layers=(1,)), 4)]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_generation_is_token_identical(kernel, tiny_llama, use_native, dtype):
+    rng = np.random.default_rng(0)
+    motif = rng.integers(0, tiny_llama.cfg.vocab_size, 5)
+    prompts = [{"token_ids": np.resize(motif, n).tolist()} for n in (7, 12, 20, 9)]
+
+    def run():
+        params = jax.tree.map(lambda x: x.astype(dtype), tiny_llama.params)
+        m = Model(tiny_llama.cfg, params, name="tiny")  # a fresh cache of compiled programs
+        return [[r["token_ids"] for r in m.generate(prompts[:b], method, max_new_tokens=12, batch_size=b, **opts)]
+                for method, opts, b in RUNS]
+
+    with_kernel = run()
+    use_native(False)
+    assert run() == with_kernel
+
+
+def test_jspec_native_0_turns_it_off():
+    code = ("from jspec.model import kernels, decoder as M; import jax, jax.numpy as jnp; "
+            "x, w = jnp.ones((4, 8)), jnp.ones((3, 8)); "
+            "print(kernels.unavailable, kernels.enabled, 'jspec_matmul' in str(jax.make_jaxpr(M.linear)(x, w)))")
+    env = {**os.environ, "JSPEC_NATIVE": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "JSPEC_NATIVE=0 is set False False"

@@ -1,0 +1,1 @@
+"""Helpers several test files share (tests/ is on sys.path: `from support.cli import run`)."""

@@ -13,7 +13,9 @@ starts: `seconds` is the wall time of the batch that produced a record, prefill 
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import math
 import os
 import time
 from typing import Any, Iterable, Iterator, Sequence
@@ -29,13 +31,14 @@ from jspec.engine import loop
 from jspec.engine.sampling import Sampling
 from jspec.errors import JspecError
 from jspec.jsonl import check_messages
-from jspec.model import sharding
+from jspec.model import kernels, sharding
 from jspec.model.config import ModelConfig
 from jspec.model.decoder import KVCache, Packing
 from jspec.model.layout import param_shapes
 from jspec.tokenizer import Tokenizer
 
 CACHE_ALIGN = 64  # cache lengths are multiples of this: fewer programs
+GIB = 1 << 30
 
 Prompt = str | Sequence[dict] | dict
 
@@ -46,20 +49,17 @@ def _is_conversation(prompts: Any) -> bool:
             and all(isinstance(m, dict) and "role" in m for m in prompts))
 
 
-def load(model: str | None = None, dtype: str = "float32", mesh: str | jax.sharding.Mesh | None = None) -> "Model":
+def load(model: str | None = None, dtype: str | None = None, mesh: str | jax.sharding.Mesh | None = None) -> "Model":
     """Load `model` (a converted folder, GGUF file, HF folder or cached hub id; None = the default
-    SmolLM2-135M-Instruct) in `dtype`, optionally sharded over `mesh` ('data=2,model=4')."""
-    if dtype not in store.DTYPES:
+    SmolLM2-135M-Instruct) in `dtype` (None: the checkpoint's own: bfloat16 for most HF models,
+    float32 for GGUF files and the default model), optionally sharded over `mesh` ('data=2,model=4').
+    Every process of a multi-process run calls it; a model not yet converted is converted once
+    per cache folder (jspec.convert.cache.resolve)."""
+    if dtype is not None and dtype not in store.DTYPES:
         raise JspecError(f"unknown dtype {dtype!r}; choose float32 or bfloat16")
     mesh = sharding.make_mesh(mesh)
     compilation_cache.use_default()
-    # In a multi-process run on one machine the processes share the model cache: process 0
-    # converts, the others wait and then find the converted folder.
-    if not distributed.is_writer():
-        distributed.barrier("jspec.load")
     path = model_cache.resolve(model, dtype)
-    if distributed.is_writer():
-        distributed.barrier("jspec.load")
     cfg, meta = store.read_meta(path)
     shardings = sharding.shardings(param_shapes(cfg), mesh) if mesh is not None else None
     cfg, params, tokenizer = store.load(path, dtype, shardings)
@@ -67,11 +67,39 @@ def load(model: str | None = None, dtype: str = "float32", mesh: str | jax.shard
     return Model(cfg, params, tokenizer, mesh, name=model_cache.DEFAULT_MODEL if default else model)
 
 
+def cache_bytes(cfg: ModelConfig, rows: int, length: int, mesh: jax.sharding.Mesh | None = None) -> int:
+    """Bytes one device holds of a batch's KV cache (`KVCache.zeros`: k and v of each layer,
+    [rows, length, kv heads, head dim]), split over `mesh` as `sharding.cache_sharding` splits it."""
+    leaves = jax.tree.leaves(jax.eval_shape(functools.partial(KVCache.zeros, cfg, rows, length)))
+    share = lambda x: x.shape if mesh is None else sharding.cache_sharding(mesh, x.shape).shard_shape(x.shape)
+    return sum(math.prod(share(x)) * x.dtype.itemsize for x in leaves)
+
+
+def check_cache_fits(rows: int, length: int, need: int, stats: dict | None, freed: int = 0) -> None:
+    """Refuse a KV cache of `need` bytes per device that the memory left free on a device (its
+    `memory_stats()`, once `freed` bytes, the cache kept from the last batch, are freed) cannot
+    hold. A device that reports no limit (a CPU: None) is not checked. The program's own
+    temporaries, a drafter's cache among them, come on top: passing is no promise that it runs."""
+    if not stats or "bytes_limit" not in stats:
+        return
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0) + freed
+    if need > free:
+        raise JspecError(
+            f"the KV cache of {rows} row{'s' * (rows != 1)} x {length} positions needs {need / GIB:.2f} GiB per "
+            f"device but the device has {max(free, 0) / GIB:.2f} GiB free: use a smaller --batch-size or "
+            "--max-new-tokens, shorter prompts, a --mesh with more data or model shards, or --dtype bfloat16 weights")
+
+
+def _memory_stats(mesh: jax.sharding.Mesh | None) -> list[dict | None]:
+    """The memory stats of each device of this process that a cache goes to."""
+    return [d.memory_stats() for d in (jax.local_devices()[:1] if mesh is None else mesh.local_devices)]
+
+
 class Model:
     def __init__(self, cfg: ModelConfig, params, tokenizer: Tokenizer | None = None, mesh=None, name: str = "model"):
         self.cfg, self.params, self.tokenizer, self.mesh, self.name = cfg, params, tokenizer, mesh, name
         self._compiled: dict = {}
-        self._caches: dict = {}
+        self._caches: dict = {}  # (rows, length) -> the last batch's KVCache: one at most, reused or freed
 
     # -- prompts -----------------------------------------------------------------------------
     def encode(self, prompt: Prompt, chat: bool = True) -> list[int]:
@@ -185,7 +213,7 @@ class Model:
     def load_models(self, method: str, options: dict) -> dict:
         """`options` with each model option (a draft model) that names a path loaded in this
         model's dtype, where `method` takes it (otherwise jspec.methods.check refuses it)."""
-        loaded = {name: load(value, self._dtype_name()) for name, value in options.items()
+        loaded = {name: load(value, self.dtype) for name, value in options.items()
                   if isinstance(value, (str, os.PathLike)) and name in methods.OPTIONS
                   and methods.OPTIONS[name].type == "model" and method in methods.TAKES[name]}
         return {**options, **loaded}
@@ -199,7 +227,9 @@ class Model:
     def batch_rows(self, n: int, batch_size: int) -> int:
         return batch_rows(n, batch_size, 1 if self.mesh is None else self.mesh.shape["data"])
 
-    def _dtype_name(self) -> str:
+    @property
+    def dtype(self) -> str:
+        """The parameters' dtype, by name (float32, bfloat16)."""
         dtype = jax.tree.leaves(self.params)[0].dtype
         return next(name for name, d in store.DTYPES.items() if d == dtype)
 
@@ -245,15 +275,26 @@ class Model:
                 distributed.rows_array(eos, sharding.replicated(self.mesh)))
 
     def _cache(self, rows: int, length: int) -> KVCache:
+        """The cache of a batch of `rows` x `length`: the last batch's where its shape is the same (the
+        loop donates it, so it is written in place), else a new one, checked to fit the device and
+        made once the last batch's is freed. One cache is alive at a time."""
         cache = self._caches.pop((rows, length), None)
-        if cache is None:
-            zeros = functools.partial(KVCache.zeros, self.cfg, rows, length)
-            if self.mesh is None:
-                cache = zeros()
-            else:  # made in place on each device: a multi-process mesh has devices this process cannot feed
-                shape = (rows, length, self.cfg.num_kv_heads, self.cfg.head_dim)
-                cache = jax.jit(zeros, out_shardings=sharding.cache_sharding(self.mesh, shape))()
-        return cache
+        if cache is not None:
+            return cache
+        need = cache_bytes(self.cfg, rows, length, self.mesh)
+        freed = sum(cache_bytes(self.cfg, *shape, self.mesh) for shape in self._caches)
+        for stats in _memory_stats(self.mesh):
+            check_cache_fits(rows, length, need, stats, freed)
+        for old in self._caches.values():
+            for x in jax.tree.leaves(old):
+                x.delete()  # now, not whenever the last reference goes: before the new one is made
+        self._caches.clear()
+        zeros = functools.partial(KVCache.zeros, self.cfg, rows, length)
+        if self.mesh is None:
+            return zeros()
+        # made in place on each device: a multi-process mesh has devices this process cannot feed
+        shape = (rows, length, self.cfg.num_kv_heads, self.cfg.head_dim)
+        return jax.jit(zeros, out_shardings=sharding.cache_sharding(self.mesh, shape))()
 
     def programs(self) -> dict:
         """The decoding programs compiled so far (jax.stages.Compiled), by their signature:
@@ -265,9 +306,11 @@ class Model:
         shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(dparams))
         sig = (rows, p, s, max_new, sampling, drafter, controller, jax.tree.structure(dparams), shapes, logprobs)
         if sig not in self._compiled:
-            lowered = loop.generate.lower(self.params, dparams, cache, *args, key, cfg=self.cfg, sampling=sampling,
-                                          max_new_tokens=max_new, drafter=drafter, controller=controller,
-                                          logprobs=logprobs)
+            several = self.mesh is not None and self.mesh.devices.size > 1
+            with kernels.off() if several else contextlib.nullcontext():
+                lowered = loop.generate.lower(self.params, dparams, cache, *args, key, cfg=self.cfg, sampling=sampling,
+                                              max_new_tokens=max_new, drafter=drafter, controller=controller,
+                                              logprobs=logprobs)
             self._compiled[sig] = lowered.compile()
         return self._compiled[sig]
 

@@ -117,11 +117,6 @@ def is_writer() -> bool:
     return jax.process_index() == 0
 
 
-def barrier(name: str) -> None:
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(name)
-
-
 def rows_array(x: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
     """A global array of host data every process holds (the batch's tokens, say), each process
     putting only the pieces its own devices hold."""

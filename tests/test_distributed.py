@@ -31,15 +31,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(model, *argv, num=(2, 2), timeout=240, only=None, init_timeout=60):
-    """Run `jspec generate argv` as processes 0 and 1 (or `only` one of them) of one run; returns
-    [(returncode, stderr)] by process id."""
+def launch(model, *argv, num=(2, 2), timeout=240, only=None, init_timeout=60, caches=None):
+    """Run `jspec generate argv` as processes 0 and 1 (or `only` one of them) of one run, each
+    with JSPEC_CACHE caches[i] if given; returns [(returncode, stderr)] by process id."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     coordinator = f"localhost:{free_port()}"
     procs = [subprocess.Popen([sys.executable, "-m", "jspec.cli", "generate", *map(str, argv), "--model", str(model),
                                "--coordinator", coordinator, "--num-processes", str(num[i]), "--process-id", str(i),
                                "--init-timeout", str(init_timeout)],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                              env=env if caches is None else {**env, "JSPEC_CACHE": str(caches[i])},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for i in (range(2) if only is None else [only])]
     try:
         return [(p.wait(timeout=timeout), p.stderr.read()) for p in procs]
@@ -85,6 +86,23 @@ def test_two_processes_resume(setup, tmp_path):
     assert [rc for rc, _ in results] == [0, 0], results
     assert "resuming: 3 of 7 prompts" in results[0][1]
     assert records(out) == reference
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["one-cache", "a-cache-each"])
+def test_first_use_of_an_unconverted_model(setup, tmp_path, shared):
+    """Both processes given the HF folder itself: on one shared cache folder one converts while
+    the other waits, on two (local disks) each converts; the run then writes the one-process output."""
+    model, prompts, reference = setup
+    source = model.parent / "source"  # the HF folder the tiny model was converted from
+    caches = [tmp_path / "cache"] * 2 if shared else [tmp_path / "cache0", tmp_path / "cache1"]
+    out = tmp_path / "two.jsonl"
+    results = launch(source, "--prompts", prompts, "--output", out, *ARGS, caches=caches)
+    assert [rc for rc, _ in results] == [0, 0], results
+    assert records(out) == reference
+    converting = [err.count("converting ") for _, err in results]
+    assert converting == ([1, 0] if shared else [1, 1]) or (shared and converting == [0, 1]), results
+    for cache in set(caches):
+        assert [p.name.split("-")[0] for p in cache.iterdir() if not p.name.startswith(".")] == ["source"]
 
 
 def one_line_error(rc, err, phrase):

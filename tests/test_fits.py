@@ -25,3 +25,12 @@ def test_cache_splits_over_kv_heads_only_while_they_divide():
     assert fits.cache_bytes(cfg, {"data": 1, "model": 8}, rows=8, context=4096) == whole // 8
     assert fits.cache_bytes(cfg, {"data": 1, "model": 16}, rows=8, context=4096) == whole
     assert fits.cache_bytes(cfg, {"data": 4, "model": 8}, rows=8, context=4096) == whole // 8  # 4x the rows, over 4
+
+
+def test_host_memory_follows_the_pieces():
+    """Llama-3.1-8B's largest piece is its embedding (with the final norm) or its LM head, in
+    bfloat16: a layer (436 MB) is a piece alone; a conversion holds a piece and its source."""
+    cfg = fits.config(fits.LLAMAS["Llama-3.1-8B"])
+    assert fits.largest_piece(cfg) == 2 * (128256 * 4096 + 4096)
+    converting, loading = fits.host_memory(cfg)
+    assert converting == fits.PROCESS + 2 * fits.largest_piece(cfg) and loading < converting

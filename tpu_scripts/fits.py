@@ -8,6 +8,9 @@ context of prompt + new tokens + the verification's K + 1.
 
     python tpu_scripts/fits.py                  # the table in tpu_scripts/README.md
     python tpu_scripts/fits.py --context 8192 --rows 16
+
+A second table gives the host memory that converting and loading take, from the checkpoint's
+pieces (`jspec.convert.store.pieces`): conversion and loading stream a piece at a time.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import argparse
 import math
 
 import jax
+import numpy as np
 
+from jspec.convert import store
 from jspec.model import sharding
 from jspec.model.config import ModelConfig
 from jspec.model.layout import param_shapes
@@ -64,6 +69,30 @@ def cache_bytes(cfg: ModelConfig, mesh: dict[str, int], rows: int, context: int)
     return 2 * cfg.num_layers * 4 * per_chip(shape, sharding.CACHE_RULE, mesh)
 
 
+# A converting or loading process before its first piece: jax, orbax and tensorstore. Calibrated on
+# the 1.56B model of docs/benchmarks.md ("Big models"): 1.05 GB converting, whose largest piece
+# is 0.23 GiB, where this predicts 0.95 GiB (1.02 GB).
+PROCESS = 0.5 * GIB
+
+
+def largest_piece(cfg: ModelConfig, dtype: str = "bfloat16") -> int:
+    """Bytes of the largest piece of a converted checkpoint (jspec.convert.store.pieces)."""
+    shapes, itemsize = param_shapes(cfg), np.dtype(store.DTYPES[dtype]).itemsize
+    per_piece = store.layers_per_piece(cfg, dtype)
+    sizes = [sum(math.prod(shapes[name]) for name in part) if isinstance(part, tuple)
+             else sum(math.prod(s) for layer in shapes["layers"][part.start:part.stop] for s in layer.values())
+             for _, part in store.pieces(cfg, per_piece)]
+    return max(sizes) * itemsize
+
+
+def host_memory(cfg: ModelConfig) -> tuple[int, int]:
+    """(converting, loading onto accelerators): a host's peak memory, from how jspec streams. A
+    conversion holds a piece and the source tensor it is cast from; a load reads a piece at a
+    time and hands each array to the devices, keeping at most the host's share of one piece."""
+    piece = largest_piece(cfg)
+    return PROCESS + 2 * piece, PROCESS + piece
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=8, help="batch rows per data shard (default: 8)")
@@ -81,6 +110,15 @@ def main() -> None:
             fits = ["yes" if w + kv <= 0.9 * hbm else "no" for hbm in CHIPS.values()]
             print(f"| {name} | {data} x {model} | {data * model} | {w:.1f} | {kv:.1f} | {w + kv:.1f} | "
                   + " | ".join(fits) + " |")
+    print("\nConverting (`jspec convert`, on any host) and loading (per host, onto its accelerators), bfloat16, "
+          "GiB of host memory\n")
+    print("| model | checkpoint | largest piece | converting | loading, per host |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for name, shape in LLAMAS.items():
+        cfg = config(shape)
+        convert, load = host_memory(cfg)
+        print(f"| {name} | {weights_bytes(cfg, {'data': 1, 'model': 1}) / GIB:.1f} | {largest_piece(cfg) / GIB:.2f} "
+              f"| {convert / GIB:.1f} | {load / GIB:.1f} |")
 
 
 if __name__ == "__main__":

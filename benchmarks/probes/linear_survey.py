@@ -39,8 +39,8 @@ def stack(linear):
         for lp in layers:
             a = linear(x, lp["wqkv"])[:, :D]
             x = x + linear(a, lp["wo"])
-            g = linear(x, lp["w_gate_up"])
-            x = x + linear(g[:, :F] * g[:, F:], lp["w_down"])
+            g = linear(x, lp["w_gate_up"]).reshape(-1, F, 2)  # interleaved, as jspec.model.decoder.mlp_block
+            x = x + linear(g[..., 0] * g[..., 1], lp["w_down"])
         return x
     return jax.jit(run)
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from jspec import methods, prompt_sets
 from jspec.bench.specs import parse_batch_sizes, parse_methods, read_bench_prompts
-from jspec.cli.common import add_model_options
+from jspec.cli.common import add_model_options, model_dtype
 from jspec.convert.cache import DEFAULT_MODEL
 from jspec.errors import JspecError
 from jspec.jsonl import check_not_prompts
@@ -126,7 +126,7 @@ def run(args) -> int:
     check_not_prompts(args.output, source)
     prompts = read_bench_prompts(source, args.limit)
 
-    settings = {"model": args.model or DEFAULT_MODEL, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
+    settings = {"model": args.model or DEFAULT_MODEL, "dtype": model_dtype(args), "max_new_tokens": args.max_new_tokens,
                 "chat": not args.no_chat}
     results = bench_run.Results(args.output, args.resume, settings)
     model = load(args.model, args.dtype, args.mesh)

@@ -32,10 +32,18 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, metavar="PATH_OR_ID",
                    help="a converted jspec folder, a GGUF file, a Hugging Face folder or a hub id in the "
                         "local HF cache (default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="parameter and cache dtype (default: %(default)s)")
+    g.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                   help="the weights' dtype (default: the checkpoint's own: bfloat16 for most Hugging Face "
+                        "models, float32 for GGUF files and the default model)")
     g.add_argument("--mesh", default=None, metavar="data=N,model=M",
                    help="shard over a device mesh: batch rows over 'data', tensor parallel over 'model'")
+
+
+def model_dtype(args: argparse.Namespace) -> str:
+    """The dtype the run's model loads in: --dtype, else the checkpoint's own."""
+    from jspec.convert.cache import own_dtype
+
+    return args.dtype or own_dtype(args.model)
 
 
 def load_model(args: argparse.Namespace):

@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
 
     if not (math.isfinite(args.tie) and args.tie >= 0):
         raise JspecError(f"--tie must be a number >= 0, got {args.tie}")
-    scoring = args.model is not None or args.mesh is not None or args.no_chat or args.dtype != "float32" or \
+    scoring = args.model is not None or args.mesh is not None or args.no_chat or args.dtype is not None or \
         args.tie != compare.TIE
     if args.prompts is None and scoring:
         raise UsageError("--model, --dtype, --mesh, --no-chat and --tie score the differences: they go with "

@@ -7,30 +7,27 @@ import time
 
 HELP = "convert a GGUF file or Hugging Face model into a fast-loading jspec folder"
 DESCRIPTION = ("Convert SRC (a GGUF file, a Hugging Face folder, or a hub id in the local HF cache) into the jspec "
-               "checkpoint folder OUT, then time loading it.")
+               "checkpoint folder OUT, or without OUT into jspec's cache, where --model SRC finds it (a TPU pod's "
+               "setup converts there once, before the first run). Conversion runs on the host, a layer at a time.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", metavar="SRC", help="GGUF file, Hugging Face folder, or cached hub id")
-    p.add_argument("out", metavar="OUT", help="the folder to write (must not exist, or be empty)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="stored parameter dtype (default: %(default)s)")
+    p.add_argument("out", metavar="OUT", nargs="?", default=None,
+                   help="the folder to write (must not exist, or be empty); default: jspec's cache")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                   help="stored parameter dtype (default: the checkpoint's own: bfloat16 for most Hugging Face "
+                        "models, float32 for GGUF files)")
 
 
 def run(args: argparse.Namespace) -> int:
-    import jax
-
-    from jspec.convert import store
+    from jspec.convert import cache, store
 
     t0 = time.perf_counter()
-    out = store.convert(args.src, args.out, args.dtype)
-    convert_s = time.perf_counter() - t0
-    print(f"converted {args.src} -> {out} ({args.dtype}) in {convert_s:.2f} s")
-    t0 = time.perf_counter()
-    cfg, params, tokenizer = store.load(out)
-    jax.block_until_ready(params)
-    load_s = time.perf_counter() - t0
-    tok = "with tokenizer" if tokenizer is not None else "no tokenizer: token ids only"
-    print(f"loaded {out} in {load_s:.2f} s ({sum(x.size for x in jax.tree.leaves(params)) / 1e6:.1f}M parameters, "
-          f"{cfg.arch}, {tok})")
+    out = store.convert(args.src, args.out, args.dtype) if args.out is not None else cache.resolve(args.src, args.dtype)
+    seconds = time.perf_counter() - t0
+    cfg, meta = store.read_meta(out)
+    size = sum(f.stat().st_size for f in (out / "params").rglob("*") if f.is_file())
+    print(f"{args.src} -> {out}: {cfg.arch}, {cfg.num_layers} layers, {meta['dtype']}, {size / 2**30:.2f} GiB "
+          f"in {seconds:.1f} s")
     return 0

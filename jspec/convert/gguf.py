@@ -26,6 +26,7 @@ import gguf
 import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer as Pipeline, decoders, models, pre_tokenizers, processors
 
+from jspec.convert.tensors import Tensors
 from jspec.errors import JspecError
 from jspec.tokenizer import Tokenizer
 
@@ -57,9 +58,10 @@ _ROPE_FREQS = "rope_freqs.weight"
 _LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-def read_gguf(path: str) -> tuple[dict, dict[str, np.ndarray], Tokenizer | None]:
-    """An HF-style config dict, HF-named float32 tensors (HF orientation and row order) and the
-    tokenizer (None, with a warning, for a file without a vocabulary jspec can build)."""
+def read_gguf(path: str) -> tuple[dict, Tensors, Tokenizer | None]:
+    """An HF-style config dict, HF-named tensors (HF orientation and row order, dequantized to
+    float32 one at a time when read) and the tokenizer (None, with a warning, for a file without a
+    vocabulary jspec can build)."""
     try:
         reader = gguf.GGUFReader(path)
     except FileNotFoundError:
@@ -70,18 +72,20 @@ def read_gguf(path: str) -> tuple[dict, dict[str, np.ndarray], Tokenizer | None]
     if arch not in _ARCHITECTURES:
         raise JspecError(f"GGUF architecture '{arch}' is not supported; jspec reads {', '.join(_ARCHITECTURES)}")
 
-    raw = {t.name: _dequantize(t) for t in reader.tensors}
-    rope_freqs = raw.pop(_ROPE_FREQS, None)
-    config = _read_config(reader, arch, raw, rope_freqs)
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    tensors = {}
-    for name, values in raw.items():
-        hf_name = _hf_name(name)
-        if arch in _INTERLEAVED_ARCHS and ".attn_q." in name:
-            values = _deinterleave(values, heads)
-        elif arch in _INTERLEAVED_ARCHS and ".attn_k." in name:
-            values = _deinterleave(values, kv_heads)
-        tensors[hf_name] = values
+    found = {t.name: t for t in reader.tensors}
+    rope_freqs = found.pop(_ROPE_FREQS, None)
+    shapes = {name: tuple(int(n) for n in reversed(t.shape)) for name, t in found.items()}
+    config = _read_config(reader, arch, shapes, None if rope_freqs is None else _dequantize(rope_freqs))
+    heads = {".attn_q.": config["num_attention_heads"], ".attn_k.": config["num_key_value_heads"]}
+
+    def reader_of(name: str, tensor: gguf.ReaderTensor):
+        n_head = next((n for part, n in heads.items() if part in name), None)
+        if arch not in _INTERLEAVED_ARCHS or n_head is None:
+            return lambda: _dequantize(tensor)
+        return lambda: _deinterleave(_dequantize(tensor), n_head)
+
+    tensors = Tensors({_hf_name(name): reader_of(name, t) for name, t in found.items()},
+                      {_hf_name(name): shape for name, shape in shapes.items()})
     return config, tensors, read_tokenizer(reader)
 
 
@@ -166,8 +170,10 @@ def _float(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _read_config(reader: gguf.GGUFReader, arch: str, raw: dict[str, np.ndarray], rope_freqs: np.ndarray | None) -> dict:
-    """The HF config.json fields jspec needs, from the `{arch}.*` and tokenizer metadata."""
+def _read_config(reader: gguf.GGUFReader, arch: str, shapes: dict[str, tuple[int, ...]],
+                 rope_freqs: np.ndarray | None) -> dict:
+    """The HF config.json fields jspec needs, from the `{arch}.*` and tokenizer metadata and the
+    tensors' GGUF names and (HF-ordered) shapes."""
 
     def meta(key: str, default=None):
         return _field(reader, f"{arch}.{key}", default)
@@ -185,9 +191,9 @@ def _read_config(reader: gguf.GGUFReader, arch: str, raw: dict[str, np.ndarray],
         "rms_norm_eps": _float(meta("attention.layer_norm_rms_epsilon")),
         "rope_theta": _float(meta("rope.freq_base", 10000.0)),
         "max_position_embeddings": meta("context_length"),
-        "vocab_size": raw["token_embd.weight"].shape[0],
-        "tie_word_embeddings": "output.weight" not in raw,
-        "attention_bias": "blk.0.attn_q.bias" in raw,
+        "vocab_size": shapes["token_embd.weight"][0],
+        "tie_word_embeddings": "output.weight" not in shapes,
+        "attention_bias": "blk.0.attn_q.bias" in shapes,
     }
     if meta("attention.key_length") is not None:
         config["head_dim"] = meta("attention.key_length")

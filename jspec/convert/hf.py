@@ -1,4 +1,5 @@
-"""Read a Hugging Face checkpoint (local directory or cached hub id) into float32 numpy tensors.
+"""Read a Hugging Face checkpoint (local directory or cached hub id): its config and its tensors,
+each read from disk when asked for (`jspec.convert.tensors.Tensors`), in the dtype it is stored in.
 
 Safetensors files are parsed directly (an 8-byte header length, a JSON header, then raw
 little-endian data) instead of through `safetensors.safe_open`: its numpy backend cannot
@@ -11,12 +12,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 from huggingface_hub import snapshot_download
 
+from jspec.convert.tensors import Tensors
 from jspec.errors import JspecError
 
-_SAFETENSORS_FLOATS = {"F64": np.float64, "F32": np.float32, "F16": np.float16}
+_SAFETENSORS_FLOATS = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
 # (index file, glob for the weight files) in order of preference: safetensors, then PyTorch pickles.
 _WEIGHT_FORMATS = (
     ("model.safetensors.index.json", "model*.safetensors"),
@@ -58,19 +61,26 @@ def read_config(directory: Path) -> dict:
     return config
 
 
-def read_hf(src: str) -> tuple[dict, dict[str, np.ndarray]]:
-    """The parsed config.json and every tensor of the checkpoint, by HF name, as float32.
+def read_hf(src: str) -> tuple[dict, Tensors]:
+    """The parsed config.json and the checkpoint's tensors by HF name, read one at a time.
 
     Tied models keep whatever the files hold (usually no `lm_head.weight`); the config's
     `tie_word_embeddings` says how to treat that.
     """
     directory = resolve_hf_dir(src)
     config = read_config(directory)
-    tensors: dict[str, np.ndarray] = {}
+    readers, shapes = {}, {}
     for file in _weight_files(directory):
         read = _read_safetensors if file.suffix == ".safetensors" else _read_torch_bin
-        tensors.update(read(file))
-    return config, tensors
+        for name, (shape, reader) in read(file).items():
+            readers[name], shapes[name] = reader, shape
+    return config, Tensors(readers, shapes)
+
+
+def source_dtype(config: dict) -> str:
+    """The dtype a conversion keeps by default: a checkpoint's own where jspec has it (bfloat16
+    for Llama-3's), float32 for float16 and float32 checkpoints (float16 has no exact bfloat16)."""
+    return "bfloat16" if str(config.get("torch_dtype") or config.get("dtype")) == "bfloat16" else "float32"
 
 
 def _weight_files(directory: Path) -> list[Path]:
@@ -91,12 +101,14 @@ def _weight_files(directory: Path) -> list[Path]:
     )
 
 
-def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Every tensor of one safetensors file, upcast to float32 (bf16 included)."""
+def _read_safetensors(path: Path) -> dict:
+    """name -> (shape, reader) for every tensor of one safetensors file. A reader reads its bytes
+    with a plain file read (not a memory map, whose pages would stay resident)."""
+    size = path.stat().st_size
     with open(path, "rb") as f:
         header_len = int.from_bytes(f.read(8), "little")
         try:
-            if not 2 <= header_len <= path.stat().st_size - 8:  # else garbage read as a length
+            if not 2 <= header_len <= size - 8:  # else garbage read as a length
                 raise ValueError("header length")
             header = json.loads(f.read(header_len))
             if not isinstance(header, dict):
@@ -104,32 +116,34 @@ def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
         except ValueError:
             raise JspecError(f"{path} is not a valid safetensors file") from None
     header.pop("__metadata__", None)
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
     tensors = {}
     for name, info in header.items():
+        if info["dtype"] not in _SAFETENSORS_FLOATS:
+            raise JspecError(f"tensor {name} in {path.name} has dtype {info['dtype']}; jspec reads float checkpoints only")
+        dtype = np.dtype(_SAFETENSORS_FLOATS[info["dtype"]]).newbyteorder("<")
         begin, end = info["data_offsets"]
-        raw, dtype = data[begin:end], info["dtype"]
-        if dtype == "BF16":
-            # numpy has no bfloat16, but a bfloat16 is exactly the upper 16 bits of a float32.
-            values = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
-        elif dtype in _SAFETENSORS_FLOATS:
-            values = raw.view(np.dtype(_SAFETENSORS_FLOATS[dtype]).newbyteorder("<")).astype(np.float32)
-        else:
-            raise JspecError(f"tensor {name} in {path.name} has dtype {dtype}; jspec reads float checkpoints only")
-        tensors[name] = values.reshape(info["shape"])
+        shape = tuple(info["shape"])
+
+        def read(begin=begin, count=(end - begin) // dtype.itemsize, dtype=dtype, shape=shape):
+            with open(path, "rb") as f:
+                f.seek(8 + header_len + begin)
+                return np.fromfile(f, dtype, count).astype(dtype.newbyteorder("="), copy=False).reshape(shape)
+
+        tensors[name] = shape, read
     return tensors
 
 
-def _read_torch_bin(path: Path) -> dict[str, np.ndarray]:
-    """Every tensor of one PyTorch pickle, as float32; torch is imported only for this format."""
+def _read_torch_bin(path: Path) -> dict:
+    """name -> (shape, reader) for one PyTorch pickle, memory-mapped; torch is imported only for
+    this format. A reader gives float32 (numpy has no bfloat16 for torch to hand over)."""
     try:
         import torch
     except ImportError:
         raise JspecError("reading PyTorch .bin checkpoints needs torch: pip install torch==2.13.0") from None
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     tensors = {}
     for name, value in state.items():
         if not value.is_floating_point():
             raise JspecError(f"tensor {name} in {path.name} has dtype {value.dtype}; jspec reads float checkpoints only")
-        tensors[name] = value.float().numpy()
+        tensors[name] = tuple(value.shape), lambda value=value: value.float().numpy()
     return tensors

@@ -1,10 +1,17 @@
 """Converted checkpoints: one folder per model, written once, loaded fast.
 
-    OUT/jspec.json   format version, ModelConfig, dtype, where it came from
-    OUT/params/      the parameter pytree, saved with orbax
+    OUT/jspec.json   format version, ModelConfig, dtype, where it came from, layers per piece
+    OUT/params/embed/          embed and final_norm: one orbax checkpoint
+    OUT/params/lm_head/        an untied model's LM head
+    OUT/params/layers_00000/   layers 0 .. n-1, a list of layer dicts: one orbax checkpoint
+    OUT/params/layers_0000n/   ... (n layers a piece, about PIECE_BYTES each)
     OUT/tokenizer.json, OUT/tokenizer_config.json
                      the tokenizer, its special tokens and chat template (`jspec.tokenizer`)
 
+Conversion streams: it reads, fuses, casts and writes one piece at a time on the host (NumPy; no
+accelerator is touched), so its peak memory is a piece and a few source tensors, not the model.
+Each array is stored in chunks of at most CHUNK_BYTES, so a sharded load reads, for each
+device, little more than the chunks that hold its shard, and loading too goes piece by piece.
 A folder is written under a temporary name and renamed when complete, so an interrupted
 conversion never leaves something that looks like a checkpoint.
 """
@@ -13,22 +20,31 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jspec.errors import JspecError
 from jspec.model import layout
 from jspec.model.config import ModelConfig
 from jspec.tokenizer import Tokenizer
 
-# 5: jspec's own tokenizer files, loaded without transformers (and SmolLM2 splits digits as it should).
-FORMAT = 5
+# 6: parameters in pieces of chunked arrays, gate and up interleaved (jspec.model.layout.gate_up).
+FORMAT = 6
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# A piece is as many whole layers as fit here (at least one): what conversion holds at a time.
+PIECE_BYTES = 256 * 2**20
+# Chunks this size or smaller: a device of a model=M mesh reads about its 1/M of an array.
+CHUNK_BYTES = 4 * 2**20
 
 
 META = "jspec.json"  # what marks a folder as a converted checkpoint
@@ -42,50 +58,123 @@ def is_current(path: str | os.PathLike) -> bool:
     return json.loads((Path(path) / META).read_text()).get("format") == FORMAT
 
 
-def _read_source(src: str) -> tuple[dict, dict, Tokenizer | None]:
-    """(HF config dict, HF-named tensors, tokenizer or None) from a GGUF file or an HF source."""
+def _read_source(src: str) -> tuple[dict, Mapping[str, np.ndarray], Tokenizer | None, str]:
+    """(HF config dict, HF-named tensors read on demand, tokenizer or None, the source's own dtype)
+    from a GGUF file or an HF source."""
     if str(src).endswith(".gguf"):
         from jspec.convert.gguf import read_gguf
 
-        return read_gguf(src)
-    from jspec.convert.hf import read_hf, resolve_hf_dir
+        return (*read_gguf(src), "float32")  # dequantized values are exact in float32 only
+    from jspec.convert.hf import read_hf, resolve_hf_dir, source_dtype
 
     folder = resolve_hf_dir(src)
     ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))  # refuse early, before the weights
     hf_config, tensors = read_hf(str(folder))
-    return hf_config, tensors, Tokenizer.load(folder)
+    return hf_config, tensors, Tokenizer.load(folder), source_dtype(hf_config)
 
 
-def convert(src: str, out: str | os.PathLike, dtype: str = "float32") -> Path:
-    """Convert a GGUF file, an HF folder or a cached hub id into a jspec checkpoint at `out`."""
-    if dtype not in DTYPES:
+def convert(src: str, out: str | os.PathLike, dtype: str | None = None) -> Path:
+    """Convert a GGUF file, an HF folder or a cached hub id into a jspec checkpoint at `out`, in
+    `dtype` (None: the source's own, `jspec.convert.hf.source_dtype`; float32 for GGUF)."""
+    if dtype is not None and dtype not in DTYPES:
         raise JspecError(f"unknown dtype {dtype!r}; choose float32 or bfloat16")
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise JspecError(f"output folder {out} exists and is not empty" if out.is_dir() else f"{out} is a file")
     if is_converted(src):
         raise JspecError(f"{src} is a converted jspec folder already: give it as --model as it is")
-    hf_config, tensors, tokenizer = _read_source(src)
+    if jax.process_count() > 1:
+        return _convert_apart(src, out, dtype)
+    hf_config, tensors, tokenizer, own = _read_source(src)
+    dtype = dtype or own
     cfg = ModelConfig.from_hf(hf_config)
     if tokenizer is not None:
         # Chat models end turns with their own token (<|im_end|>, <|eot_id|>): stop there too.
         eos = {tokenizer.eos_token_id, *cfg.eos_token_ids} - {None}
         cfg = ModelConfig.from_json({**cfg.to_json(), "eos_token_ids": sorted(eos)})
-    params = layout.params_from_hf(cfg, tensors, DTYPES[dtype])
-    del tensors
-    return save(out, cfg, params, tokenizer, dtype, str(src))
+    kind = DTYPES[dtype]
+
+    def piece(part: tuple[str, ...] | range):
+        if isinstance(part, tuple):
+            return layout.outer_from_hf(cfg, tensors, part, kind)
+        return [layout.layer_from_hf(cfg, tensors, i, kind) for i in part]
+
+    return _write(out, cfg, piece, tokenizer, dtype, str(src))
+
+
+def _convert_apart(src: str, out: Path, dtype: str | None) -> Path:
+    """`jspec convert` in a child process, for a process of a multi-process run: a conversion is
+    one host's work (on its own disk, or once on a shared one: jspec.convert.cache.resolve), and
+    inside the run orbax would either wait for every process to save with it or, for host data,
+    write only from process 0. The child runs on the CPU, leaving the run's accelerators alone."""
+    command = [sys.executable, "-m", "jspec.cli", "convert", str(src), str(out), *(["--dtype", dtype] if dtype else [])]
+    done = subprocess.run(command, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True)
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
+        raise JspecError(f"converting {src} failed: {lines[-1].removeprefix('jspec: error: ')}")
+    return out
 
 
 def save(out: str | os.PathLike, cfg: ModelConfig, params, tokenizer: Tokenizer | None, dtype: str,
          source: str) -> Path:
-    """Write a checkpoint folder (under a temporary name, renamed when complete)."""
+    """Write a parameter tree (NumPy or jax arrays, on any devices of this process) as a
+    checkpoint folder, piece by piece."""
+
+    def piece(part: tuple[str, ...] | range):
+        return jax.tree.map(np.asarray, _part(params, part))
+
+    return _write(out, cfg, piece, tokenizer, dtype, source)
+
+
+def pieces(cfg: ModelConfig, layers_per_piece: int):
+    """(folder name, part) of every piece of a checkpoint: a part is the names of parameters
+    outside the layers, or a range of layers."""
+    yield "embed", ("embed", "final_norm")
+    if not cfg.tie_word_embeddings:
+        yield "lm_head", ("lm_head",)
+    for first in range(0, cfg.num_layers, layers_per_piece):
+        yield f"layers_{first:05d}", range(first, min(first + layers_per_piece, cfg.num_layers))
+
+
+def _part(tree, part: tuple[str, ...] | range):
+    """A piece's part of a parameter tree (or of a tree matching it)."""
+    if isinstance(part, tuple):
+        return {name: tree[name] for name in part}
+    return tree["layers"][part.start:part.stop]
+
+
+def layers_per_piece(cfg: ModelConfig, dtype: str) -> int:
+    """How many whole layers a piece holds: as many as fit PIECE_BYTES, at least one."""
+    layer = layout.param_shapes(cfg)["layers"][0]
+    layer_bytes = sum(math.prod(shape) for shape in layer.values()) * np.dtype(DTYPES[dtype]).itemsize
+    return max(1, min(cfg.num_layers, PIECE_BYTES // layer_bytes))
+
+
+def _write(out, cfg: ModelConfig, piece, tokenizer: Tokenizer | None, dtype: str, source: str) -> Path:
+    """Write a checkpoint folder (under a temporary name, renamed when complete); `piece(part)`
+    gives each piece's tree, made only when it is written."""
+    per_piece = layers_per_piece(cfg, dtype)
+    stored = np.dtype(DTYPES[dtype])
     with writing_folder(out, META) as tmp:
-        save_params(tmp / "params", params)
+        for name, part in pieces(cfg, per_piece):
+            tree = jax.tree.map(lambda x: np.asarray(x).astype(stored, copy=False), piece(part))
+            _save_piece(tmp / "params" / name, tree)
+            del tree
         if tokenizer is not None:
             tokenizer.save(tmp)
-        meta = {"format": FORMAT, "config": cfg.to_json(), "dtype": dtype, "source": source}
+        meta = {"format": FORMAT, "config": cfg.to_json(), "dtype": dtype, "source": source,
+                "layers_per_piece": per_piece}
         (tmp / META).write_text(json.dumps(meta, indent=1))
     return Path(out)
+
+
+def _save_piece(path: Path, tree) -> None:
+    """One piece's NumPy tree, in chunks."""
+    import orbax.checkpoint as ocp
+
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(path.absolute(), tree, save_args=jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), tree))
+    ckpt.wait_until_finished()
 
 
 def check_output(path: str | os.PathLike, marker: str) -> None:
@@ -163,16 +252,25 @@ def load(path: str | os.PathLike, dtype: str | None = None, shardings=None):
 
     `dtype` casts on load (e.g. a float32 checkpoint run in bfloat16); `shardings`, a pytree of
     `jax.sharding.Sharding` matching the parameters, places each array directly where it lives
-    (None: on the default device).
+    (None: on the default device). Piece by piece: each piece is read, placed and cast before
+    the next is read.
     """
     path = Path(path).absolute()
     cfg, meta = read_meta(path)
     stored = DTYPES[meta["dtype"]]
     target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, stored), layout.param_shapes(cfg),
                           is_leaf=lambda x: isinstance(x, tuple))
-    params = restore(path / "params", target, shardings)
-    if dtype is not None and DTYPES[dtype] != stored:
-        params = jax.tree.map(lambda x: x.astype(DTYPES[dtype]), params)
+    if shardings is None:
+        default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: default, target)
+    cast = (lambda x: x) if dtype is None or DTYPES[dtype] == stored else (lambda x: x.astype(DTYPES[dtype]))
+    params = {"layers": []}
+    for name, part in pieces(cfg, meta["layers_per_piece"]):
+        restored = jax.tree.map(cast, restore(path / "params" / name, _part(target, part), _part(shardings, part)))
+        if isinstance(part, tuple):
+            params.update(restored)
+        else:
+            params["layers"].extend(restored)
     return cfg, params, Tokenizer.load(path)
 
 

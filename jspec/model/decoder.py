@@ -8,7 +8,10 @@ K kv heads, G query heads per kv head, H head dim, F MLP width):
                  wqkv [K*(G+2)*H, D]   per kv group its G query heads, then its k and v: one
                                        matmul, and a K-way split of the rows keeps a group together
                  bqkv [K*(G+2)*H]      (Qwen2 only)
-                 wo [D, K*G*H], w_gate_up [2*F, D] (gate then up), w_down [D, F]
+                 wo [D, K*G*H], w_down [D, F]
+                 w_gate_up [2*F, D]    gate and up interleaved, row 2i gate row i and 2i+1 up
+                                       row i: a split of the rows over `model` keeps each unit's
+                                       pair together, and the MLP runs without moving activations
     final_norm   [D]
     lm_head      [V, D]                (untied models only: a tied model's head is `embed`)
 
@@ -205,7 +208,9 @@ def attention_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array,
 def mlp_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array) -> jax.Array:
     """The MLP half of a decoder block, residual included."""
     x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
-    gate, up = jnp.split(linear(x, lp["w_gate_up"]), 2, axis=-1)
+    gate_up = linear(x, lp["w_gate_up"])  # interleaved (jspec.model.layout.gate_up): local on every shard
+    gate_up = gate_up.reshape(*gate_up.shape[:-1], -1, 2)
+    gate, up = gate_up[..., 0], gate_up[..., 1]
     return h + linear(jax.nn.silu(gate) * up, lp["w_down"])
 
 

@@ -1,64 +1,82 @@
 """Hugging Face's tensor names and shapes -> jspec's parameter layout (jspec.model.decoder).
 
-`params_from_hf` reorders a checkpoint's tensors (the [out, in] orientation stays; q, k and v
-become one projection per kv group); `param_shapes` is every parameter's expected shape, which
-refuses a checkpoint of another model and gives sharding the tree to place before loading.
+`outer_from_hf` and `layer_from_hf` reorder a checkpoint's tensors a piece at a time (the [out,
+in] orientation stays; q, k and v become one projection per kv group; gate and up interleave);
+`param_shapes` is every parameter's expected shape, which refuses a checkpoint of another model
+and gives sharding the tree to place before loading.
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import numpy as np
 
 from jspec.model.config import ModelConfig
 
 Params = dict
+OUTER = ("embed", "final_norm", "lm_head")  # the parameters outside the layers
 
 
-def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], dtype=np.float32) -> Params:
-    """Hugging Face tensor names -> jspec's layout (the orientation, [out, in], stays)."""
+def outer_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], names: Sequence[str] = OUTER,
+                  dtype=np.float32) -> Params:
+    """The parameters outside the layers that `names` lists (embed, final_norm, lm_head; an untied
+    model's only), cast to `dtype`."""
+    get = _getter(tensors)
+    hf_names = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+    return {name: get(hf_names[name]).astype(dtype) for name in names
+            if name != "lm_head" or not cfg.tie_word_embeddings}
+
+
+def layer_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], i: int, dtype=np.float32) -> Params:
+    """Layer i's parameters in jspec's layout (the orientation, [out, in], stays), read from
+    `tensors` (a `jspec.convert.tensors.Tensors` reads just these) and cast to `dtype`."""
     d, k, g, hd = cfg.hidden_size, cfg.num_kv_heads, cfg.group_size, cfg.head_dim
+    get, p = _getter(tensors), f"model.layers.{i}."
 
-    def get(name):
-        if name not in tensors:
-            raise KeyError(f"checkpoint has no tensor {name!r}")
-        return np.asarray(tensors[name], np.float32)
+    def qkv(kind, tail):
+        q = get(p + f"self_attn.q_proj.{kind}").reshape(k, g, hd, *tail)
+        kk = get(p + f"self_attn.k_proj.{kind}").reshape(k, 1, hd, *tail)
+        v = get(p + f"self_attn.v_proj.{kind}").reshape(k, 1, hd, *tail)
+        return np.concatenate([q, kk, v], axis=1).reshape(-1, *tail)
 
-    def qkv_weight(p):
-        q = get(p + "self_attn.q_proj.weight").reshape(k, g, hd, d)
-        kk = get(p + "self_attn.k_proj.weight").reshape(k, 1, hd, d)
-        v = get(p + "self_attn.v_proj.weight").reshape(k, 1, hd, d)
-        return np.concatenate([q, kk, v], axis=1).reshape(-1, d)
-
-    def qkv_bias(p):
-        q = get(p + "self_attn.q_proj.bias").reshape(k, g, hd)
-        kk = get(p + "self_attn.k_proj.bias").reshape(k, 1, hd)
-        v = get(p + "self_attn.v_proj.bias").reshape(k, 1, hd)
-        return np.concatenate([q, kk, v], axis=1).reshape(-1)
-
-    fields = {
-        "attn_norm": lambda p: get(p + "input_layernorm.weight"),
-        "wqkv": qkv_weight,
+    layer = {
+        "attn_norm": get(p + "input_layernorm.weight"),
+        "wqkv": qkv("weight", (d,)),
         # HF's head order is already kv-group major (head i reads kv head i // G).
-        "wo": lambda p: get(p + "self_attn.o_proj.weight"),
-        "mlp_norm": lambda p: get(p + "post_attention_layernorm.weight"),
-        "w_gate_up": lambda p: np.concatenate(
-            [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], axis=0),
-        "w_down": lambda p: get(p + "mlp.down_proj.weight"),
+        "wo": get(p + "self_attn.o_proj.weight"),
+        "mlp_norm": get(p + "post_attention_layernorm.weight"),
+        "w_gate_up": gate_up(get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")),
+        "w_down": get(p + "mlp.down_proj.weight"),
     }
     if cfg.attention_bias:
-        fields["bqkv"] = qkv_bias
-    layers = [{name: fn(f"model.layers.{i}.").astype(dtype) for name, fn in fields.items()}
-              for i in range(cfg.num_layers)]
-    params = {
-        "embed": get("model.embed_tokens.weight").astype(dtype),
-        "layers": layers,
-        "final_norm": get("model.norm.weight").astype(dtype),
-    }
-    if not cfg.tie_word_embeddings:
-        params["lm_head"] = get("lm_head.weight").astype(dtype)
-    return params
+        layer["bqkv"] = qkv("bias", ())
+    return {name: x.astype(dtype) for name, x in layer.items()}
+
+
+def gate_up(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """The MLP's two input projections [F, D] as one [2F, D], interleaved: row 2i is gate row i,
+    row 2i + 1 up row i. Any even split of its rows over the model axis then holds the gate and up
+    rows of the same units, so the MLP runs with no exchange between devices
+    (jspec.model.decoder.mlp_block)."""
+    return np.stack([gate, up], axis=1).reshape(-1, *gate.shape[1:])
+
+
+def interleave_gate_up(w):
+    """A [2F, D] w_gate_up in the order before interleaving (gate rows 0..F-1, then up rows) ->
+    `gate_up`'s interleaved order (NumPy or jax arrays): what heads saved before the interleaving
+    hold (jspec.parts.heads, formats 2 and 3). Converted models of that time are converted again
+    instead (jspec.convert.store.FORMAT 6)."""
+    return w.reshape(2, -1, *w.shape[1:]).swapaxes(0, 1).reshape(w.shape)
+
+
+def _getter(tensors: Mapping[str, np.ndarray]):
+    def get(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise KeyError(f"checkpoint has no tensor {name!r}")
+        return np.asarray(tensors[name])
+
+    return get
 
 
 def param_shapes(cfg: ModelConfig) -> dict:

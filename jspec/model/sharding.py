@@ -12,6 +12,7 @@ import re
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jspec.errors import JspecError
@@ -59,8 +60,22 @@ def make_mesh(spec: str | Mesh | None) -> Mesh | None:
     need, have = sizes["data"] * sizes["model"], len(jax.devices())
     if need > have:
         raise JspecError(f"--mesh {spec} needs {need} devices but only {have} are available")
-    devices = np.array(jax.devices()[:need]).reshape(sizes["data"], sizes["model"])
-    return Mesh(devices, ("data", "model"))
+    return Mesh(device_grid((sizes["data"], sizes["model"]), jax.devices()[:need]), ("data", "model"))
+
+
+def device_grid(shape: tuple[int, int], devices: list) -> np.ndarray:
+    """`devices` as a [data, model] array laid out along the physical topology (a TPU slice's
+    torus): `mesh_utils.create_device_mesh` puts the `model` axis, whose all-reduces run twice a
+    layer, on neighbouring chips, where jax.devices()' order would reach across the slice.
+    Devices that are not a whole slice (the first 4 of 8, say), which it may refuse, are laid
+    out splitting physical axes, else in jax.devices()' order. On CPUs that order is what it gives
+    (on GPUs, by device id)."""
+    for split in (False, True):
+        try:
+            return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=split)
+        except (AssertionError, NotImplementedError, ValueError):
+            pass
+    return np.array(devices).reshape(shape)
 
 
 def _spec(mesh: Mesh, axes: tuple[str | None, ...], shape: tuple[int, ...]) -> P:

@@ -67,7 +67,8 @@ def read_meta(path: str | os.PathLike, folder: PartFolder) -> dict:
     except (OSError, ValueError) as e:
         raise JspecError(f"{path / folder.marker} is unreadable ({e})") from None
     if not isinstance(meta, dict) or meta.get("format") not in folder.formats:
-        reads = " and ".join(map(str, folder.formats))
+        *earlier, last = map(str, folder.formats)
+        reads = f"{', '.join(earlier)} and {last}" if earlier else last
         raise JspecError(f"{folder.what} {path} has format {meta.get('format') if isinstance(meta, dict) else None}; "
                          f"this jspec reads format{'s' if len(folder.formats) > 1 else ''} {reads} "
                          f"(make it again with {folder.made_by})")

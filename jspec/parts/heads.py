@@ -26,8 +26,10 @@ position per draft step; like the target's cache, stale entries past a row's pos
 masked, never copied.
 
 A saved head is a folder: head.json (kind, exit layer, the model it was trained for, training
-summary) and params/ (orbax). `load` refuses a head whose model does not match, and reads the
-one-layer heads of format 2 (params `layer`, not `layers`) as they are.
+summary) and params/ (orbax). `load` refuses a head whose model does not match, reads the
+one-layer heads of format 2 (params `layer`, not `layers`) as they are, and interleaves the
+w_gate_up rows of heads of formats 2 and 3, saved gate rows then up rows, as the model's now are
+(jspec.model.layout.gate_up).
 """
 
 from __future__ import annotations
@@ -42,12 +44,14 @@ from jax.sharding import Mesh
 
 from jspec.convert import store
 from jspec.errors import JspecError
-from jspec.model import decoder, sharding
+from jspec.model import decoder, layout, sharding
 from jspec.model.config import ModelConfig
 from jspec.parts import folder
 
 KINDS = ("eesd", "kangaroo", "eagle")
-FOLDER = folder.PartFolder("head", "head.json", (2, 3), "jspec train-head")
+# 4: w_gate_up interleaved, gate row i then up row i (jspec.model.layout.gate_up); 2 and 3 hold gate then up.
+FOLDER = folder.PartFolder("head", "head.json", (2, 3, 4), "jspec train-head")
+GATE_UP_INTERLEAVED = 4  # the first format whose w_gate_up rows are interleaved
 # A head's weights split as the target's of the same names; its `lm_head` is the LM head's rows of
 # the draft vocabulary [M, D], split over M like the full head. Its final `norm` [D] is replicated
 # like the model's, and so is `vocab` [M]: the gather and the scatter of draft logits index with
@@ -193,7 +197,9 @@ def load(path: str | os.PathLike, cfg: ModelConfig, mesh: Mesh | None = None) ->
     """(head params, meta) of a saved head, refused unless it was trained for a model like `cfg`.
 
     The parameters land where the model lives: split over `mesh` by RULES when the model is
-    sharded, on the default device otherwise, whatever devices the head was saved from.
+    sharded, on the default device otherwise, whatever devices the head was saved from. A head of
+    an older format is read onto the default device, its layers' w_gate_up rows interleaved, and
+    then placed.
     """
     path = Path(path).absolute()
     meta = read_meta(path)
@@ -201,10 +207,15 @@ def load(path: str | os.PathLike, cfg: ModelConfig, mesh: Mesh | None = None) ->
     if meta["exit_layer"] not in exit_layers(meta["kind"], cfg):
         raise JspecError(f"head {path} exits at layer {meta['exit_layer']}, outside this model's layers")
     target = store.saved_tree(path / "params")
-    shardings = sharding.shardings(target, mesh, RULES) if mesh is not None else None
+    old = meta["format"] < GATE_UP_INTERLEAVED
+    shardings = sharding.shardings(target, mesh, RULES) if mesh is not None and not old else None
     hp = store.restore(path / "params", target, shardings)
     if meta["format"] == 2:
         hp = {"layers": [hp.pop("layer")], **hp}
+    if old:
+        hp["layers"] = [{**lp, "w_gate_up": layout.interleave_gate_up(lp["w_gate_up"])} if "w_gate_up" in lp else lp
+                        for lp in hp["layers"]]
+        hp = sharding.place(hp, mesh, RULES)
     return hp, meta
 
 

@@ -179,8 +179,10 @@ def train(lm, data_dirs, out, recipe: Recipe, eval_dirs=(), progress: bool = Tru
     folders = [str(Path(f).absolute()) for f in [*data_dirs, *eval_dirs]]
     ckpt_dir = Path(str(Path(out).absolute()) + ".train")
     info_path = ckpt_dir / "recipe.json"
+    # The head format too: a run checkpointed before w_gate_up was interleaved (format 3) holds its
+    # rows, and its optimizer's, in the old order, and is refused rather than resumed.
     info = {"recipe": dataclasses.asdict(recipe), "data": folders[:len(data_dirs)],
-            "eval_data": folders[len(data_dirs):]}
+            "eval_data": folders[len(data_dirs):], "head_format": heads.FOLDER.format}
     steps_saved = saved_steps(ckpt_dir)
     saved = json.loads(info_path.read_text()) if steps_saved and info_path.exists() else {}
     if steps_saved and any(saved.get(k) != info[k] for k in info):  # before the long pass below

@@ -217,8 +217,8 @@ def test_convert(capsys, tmp_path):
                                  num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path / "hf")
     code, out, err = run(capsys, "convert", tmp_path / "hf", tmp_path / "conv", "--dtype", "bfloat16")
     assert code == 0, err
-    assert re.search(r"converted .* in \d+\.\d\d s", out) and re.search(r"loaded .* in \d+\.\d\d s", out)
-    assert store.is_converted(tmp_path / "conv")
+    assert re.search(r"conv: llama, 1 layers, bfloat16, \d+\.\d\d GiB in \d+\.\d s", out), out
+    assert store.is_converted(tmp_path / "conv") and store.read_meta(tmp_path / "conv")[1]["dtype"] == "bfloat16"
     assert all(line.startswith("jspec: warning: ") for line in err.splitlines()), err  # no tokenizer: one line
     assert_one_error(*run(capsys, "convert", tmp_path / "hf", tmp_path / "conv"), "exists and is not empty")
     assert_one_error(*run(capsys, "convert", tmp_path / "hf", tmp_path / "hf" / "config.json"), "is a file")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import gguf
 import huggingface_hub
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -53,11 +54,12 @@ def read_hf_from(model: torch.nn.Module, tmp_path: Path) -> tuple[dict, dict[str
     return read_hf(str(tmp_path / "hf"))
 
 
-def assert_same_tensors(actual: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> None:
+def assert_same_tensors(actual, expected: dict[str, np.ndarray], dtype=np.float32) -> None:
+    """`actual` (read_hf's or read_gguf's tensors) holds exactly `expected`'s, each in `dtype`."""
     assert sorted(actual) == sorted(expected)
     for name, value in expected.items():
-        assert actual[name].dtype == np.float32, name
-        np.testing.assert_array_equal(actual[name], value, err_msg=name)
+        assert actual[name].dtype == dtype, name
+        np.testing.assert_array_equal(actual[name].astype(np.float32), value, err_msg=name)
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
@@ -76,7 +78,7 @@ def test_read_hf_bf16_sharded_tied(tmp_path):
     assert (tmp_path / "model.safetensors.index.json").is_file()
     config, tensors = read_hf(str(tmp_path))
     assert config["tie_word_embeddings"] is True
-    assert_same_tensors(tensors, state_dict(model))  # bf16 -> float32 is exact
+    assert_same_tensors(tensors, state_dict(model), ml_dtypes.bfloat16)  # read as stored: bfloat16
 
 
 def test_read_hf_pytorch_bin(tmp_path):

@@ -357,6 +357,7 @@ def _attend(cfg, lp, h, pos, ks, vs):
 def _run(cfg, layers, h, pos, kv, which):
     for i in which:
         h = _attend(cfg, layers[i], h, pos, *kv[i])
-        gate, up = np.split(layers[i]["w_gate_up"] @ _norm(h, layers[i]["mlp_norm"], cfg), 2)
+        gate_up = layers[i]["w_gate_up"] @ _norm(h, layers[i]["mlp_norm"], cfg)
+        gate, up = gate_up[0::2], gate_up[1::2]  # interleaved (jspec.model.layout.gate_up)
         h = h + layers[i]["w_down"] @ (gate / (1 + np.exp(-gate)) * up)
     return h

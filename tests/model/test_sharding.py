@@ -5,7 +5,11 @@ they were saved from."""
 
 from __future__ import annotations
 
+import functools
+import re
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import save_source, tiny_hf_model
@@ -15,6 +19,8 @@ import jspec
 from jspec import methods
 from jspec.convert import store
 from jspec.errors import JspecError
+from jspec.model import decoder, kernels, layout, sharding
+from jspec.model.config import ModelConfig
 from jspec.model.sharding import make_mesh
 from jspec.parts import heads
 from jspec.parts.folder import fingerprint
@@ -247,6 +253,8 @@ def test_make_mesh():
     assert dict(make_mesh("model=8").shape) == {"data": 1, "model": 8}
     assert dict(make_mesh(" data = 2 ").shape) == {"data": 2, "model": 1}
     assert dict(make_mesh("model=2,data=3").shape) == {"data": 3, "model": 2}  # uses 6 of the 8
+    assert dict(make_mesh("model=2").shape) == {"data": 1, "model": 2}  # 2 of the 8
+    assert list(make_mesh("model=2").devices.flat) == jax.devices()[:2]
     assert make_mesh(mesh) is mesh
     custom = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "model"))
     assert make_mesh(custom) is custom
@@ -254,6 +262,53 @@ def test_make_mesh():
         make_mesh(Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("x", "y")))
     with pytest.raises(JspecError, match="mesh takes 'data=N,model=M' or a jax.sharding.Mesh, got 8"):
         make_mesh(8)
+
+
+COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
+
+
+def collectives(fn, *args) -> dict[str, int]:
+    """How many of each collective the compiled program of fn(*args) runs (async ones by their start)."""
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    return {op: n for op in COLLECTIVES if (n := len(re.findall(rf"\s{op}(?:-start)?\(", text)))}
+
+
+def concatenated_mlp(cfg, lp, h):
+    """The MLP as it was with w_gate_up's gate rows then its up rows, split in halves."""
+    x = decoder.rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
+    gate, up = jnp.split(decoder.linear(x, lp["w_gate_up"]), 2, axis=-1)
+    return h + decoder.linear(jax.nn.silu(gate) * up, lp["w_down"])
+
+
+@pytest.mark.parametrize("mesh", ["model=2", "model=4", "model=8", "data=2,model=4"])
+@pytest.mark.parametrize("rows", [1, 8, 128])  # one row, the CPU's multiply-and-sum rows, a matmul
+def test_the_mlp_moves_nothing_but_its_all_reduce(mesh, rows):
+    """w_gate_up interleaved and split over `model`: each device holds the gate and up rows of the
+    same units, so the MLP's only collective is the all-reduce after w_down. Gate rows then up
+    rows, split in halves, needed collective-permutes to bring each gate to its up."""
+    mesh = make_mesh(mesh)
+    D, F = SHARDABLE["hidden_size"], SHARDABLE["intermediate_size"]
+    cfg = ModelConfig(arch="llama", vocab_size=256, hidden_size=D, intermediate_size=F, num_layers=1, num_heads=8,
+                      num_kv_heads=4, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=512,
+                      attention_bias=False, tie_word_embeddings=True)  # the MLP reads only rms_norm_eps
+    rng = np.random.default_rng(rows)
+    gate, up, down = (rng.standard_normal(s, np.float32) / 8 for s in ((F, D), (F, D), (D, F)))
+    norm, h = 1 + rng.standard_normal(D, np.float32) / 8, rng.standard_normal((2, rows, D), np.float32)
+    place = lambda w_gate_up: sharding.place(  # noqa: E731
+        {"mlp_norm": norm, "w_gate_up": w_gate_up, "w_down": down}, mesh)
+    new, old = place(layout.gate_up(gate, up)), place(np.concatenate([gate, up]))
+    on_mesh = jax.device_put(h, sharding.rows_sharding(mesh, h.shape))
+    with kernels.off():  # as on any mesh (jspec.api): XLA cannot split the native kernel
+        assert collectives(functools.partial(decoder.mlp_block, cfg), new, on_mesh) == {"all-reduce": 1}
+        got = collectives(functools.partial(concatenated_mlp, cfg), old, on_mesh)
+        assert got.get("collective-permute", 0) + got.get("all-to-all", 0) + got.get("all-gather", 0) > 0, got
+        out = np.asarray(jax.jit(functools.partial(decoder.mlp_block, cfg))(new, on_mesh))
+    # Hugging Face's MLP on the same weights: down(silu(gate(x)) * up(x)).
+    x = h * norm / np.sqrt(np.mean(h ** 2, axis=-1, keepdims=True) + 1e-6)
+    g, u = x @ gate.T, x @ up.T
+    np.testing.assert_allclose(out, h + (g / (1 + np.exp(-g)) * u) @ down.T, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(layout.interleave_gate_up(np.concatenate([gate, up]))),
+                                  layout.gate_up(gate, up))
 
 
 @pytest.mark.parametrize("bad", ["data:2", "data=two", "data=0", "data=-1", "rows=2", "data=2;model=4", "model",

@@ -303,6 +303,26 @@ def test_one_layer_heads_of_format_2_load(lm, tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_heads_of_format_3_load_with_gate_and_up_interleaved(lm, tmp_path):
+    """Heads saved before the interleaving (the shipped ones among them) hold each layer's gate rows
+    then its up rows; they load in the model's interleaved order (jspec.model.layout.gate_up)."""
+    hp = perturbed(heads.init(lm.params, lm.cfg, "eesd", 1, np.arange(7, 60, dtype=np.int32), depth=2), 1e-3)
+    F = lm.cfg.intermediate_size
+    concatenated = lambda w: np.concatenate([np.asarray(w)[0::2], np.asarray(w)[1::2]])  # noqa: E731
+    path = tmp_path / "h"
+    store.save_params(path / "params", {**hp, "layers": [{**lp, "w_gate_up": concatenated(lp["w_gate_up"])}
+                                                          for lp in hp["layers"]]})
+    (path / "head.json").write_text(json.dumps({"format": 3, "kind": "eesd", "exit_layer": 1,
+                                                "model": fingerprint(lm.cfg)}))
+    restored, _ = heads.load(path, lm.cfg)
+    assert restored["layers"][0]["w_gate_up"].shape == (2 * F, lm.cfg.hidden_size)
+    assert jax.tree.structure(restored) == jax.tree.structure(hp)
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(hp)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert json.loads((heads.save(tmp_path / "new", hp, {"kind": "eesd", "exit_layer": 1, "model": fingerprint(
+        lm.cfg)}) / "head.json").read_text())["format"] == heads.FOLDER.format == 4
+
+
 def test_saved_head_restores_bit_identically(lm, tmp_path):
     hp = perturbed(heads.init(lm.params, lm.cfg, "eesd", 2, np.arange(7, 60, dtype=np.int32)), 1e-3)
     path = heads.save(tmp_path / "h", hp, {"kind": "eesd", "exit_layer": 2, "model": fingerprint(lm.cfg)})
@@ -399,7 +419,7 @@ def test_head_for_another_model_is_refused(lm, make_tiny, tmp_path):
             other.generate([{"token_ids": [5, 6, 7]}], method="kangaroo", head=str(path), max_new_tokens=2)
     meta = json.loads((path / "head.json").read_text())
     (path / "head.json").write_text(json.dumps({**meta, "format": 99}))
-    with pytest.raises(JspecError, match=f"format 99; this jspec reads formats 2 and {heads.FOLDER.format}"):
+    with pytest.raises(JspecError, match=f"format 99; this jspec reads formats 2, 3 and {heads.FOLDER.format}"):
         lm.generate([{"token_ids": [5, 6, 7]}], method="kangaroo", head=str(path), max_new_tokens=2)
     (path / "head.json").write_text(json.dumps(meta))
     with pytest.raises(JspecError, match="is of kind kangaroo, not eesd"):

@@ -16,6 +16,7 @@ which.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.machinery
 import os
@@ -62,6 +63,19 @@ def _load() -> str | None:
 
 unavailable = _load()  # why the kernel is not used; None when it is available
 enabled = unavailable is None  # read by `takes` at trace time
+
+
+@contextlib.contextmanager
+def off():
+    """Trace without the kernels, for a program over several devices: XLA cannot split a foreign
+    call, so to make one it would gather every weight and cache whole onto each device (a 1.5B
+    model on 8 devices then needs 8 copies). The multiply-and-sum path splits like any op."""
+    global enabled
+    before, enabled = enabled, False
+    try:
+        yield
+    finally:
+        enabled = before
 
 
 def takes(x: jax.Array, w: jax.Array, rows: int) -> bool:

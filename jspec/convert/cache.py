@@ -63,12 +63,22 @@ def _own_dtype(src: str) -> str:
 def own_dtype(model: str | None) -> str:
     """The dtype `jspec.load(model)` gives when none is asked for: a converted folder's, else the
     source's (the default model's: float32)."""
-    if model is None:
-        return "float32"
-    if store.is_converted(model):
+    if model is not None and store.is_converted(model):
         return store.read_meta(model)[1]["dtype"]
+    return _own_dtype(_source(model)[0])
+
+
+def _source(model: str | None) -> tuple[str, str]:
+    """(what to convert, its cache folder's name before the dtype) for a model not converted."""
+    if model is None:
+        return str(default_gguf()), DEFAULT_MODEL
     local = Path(model).expanduser()
-    return _own_dtype(str(local.resolve()) if local.exists() else model)
+    if local.exists():
+        src, stat = str(local.resolve()), local.stat()
+        key = f"{src}:{stat.st_mtime_ns}:{stat.st_size}"
+    else:
+        src = key = model  # a hub id: the HF cache decides what it points to
+    return src, f"{local.name or 'model'}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
 
 
 def resolve(model: str | None, dtype: str | None = None) -> Path:
@@ -82,18 +92,7 @@ def resolve(model: str | None, dtype: str | None = None) -> Path:
     """
     if model is not None and store.is_converted(model):
         return Path(model)
-    if model is None:
-        src, name = str(default_gguf()), DEFAULT_MODEL
-    else:
-        src = model
-        local = Path(model).expanduser()
-        if local.exists():
-            src = str(local.resolve())
-            stat = local.stat()
-            key = f"{src}:{stat.st_mtime_ns}:{stat.st_size}"
-        else:
-            key = model  # a hub id: the HF cache decides what it points to
-        name = f"{local.name or 'model'}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+    src, name = _source(model)
     dtype = dtype or _own_dtype(src)
     out = cache_dir() / f"{name}-{dtype}"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -96,7 +96,7 @@ def convert(src: str, out: str | os.PathLike, dtype: str | None = None) -> Path:
 
     def piece(part: tuple[str, ...] | range):
         if isinstance(part, tuple):
-            return layout.outer_from_hf(cfg, tensors, part, kind)
+            return layout.outer_from_hf(tensors, part, kind)
         return [layout.layer_from_hf(cfg, tensors, i, kind) for i in part]
 
     return _write(out, cfg, piece, tokenizer, dtype, str(src))
@@ -260,13 +260,11 @@ def load(path: str | os.PathLike, dtype: str | None = None, shardings=None):
     stored = DTYPES[meta["dtype"]]
     target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, stored), layout.param_shapes(cfg),
                           is_leaf=lambda x: isinstance(x, tuple))
-    if shardings is None:
-        default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        shardings = jax.tree.map(lambda _: default, target)
     cast = (lambda x: x) if dtype is None or DTYPES[dtype] == stored else (lambda x: x.astype(DTYPES[dtype]))
     params = {"layers": []}
     for name, part in pieces(cfg, meta["layers_per_piece"]):
-        restored = jax.tree.map(cast, restore(path / "params" / name, _part(target, part), _part(shardings, part)))
+        placed = None if shardings is None else _part(shardings, part)
+        restored = jax.tree.map(cast, restore(path / "params" / name, _part(target, part), placed))
         if isinstance(part, tuple):
             params.update(restored)
         else:

@@ -30,11 +30,3 @@ class Tensors(Mapping):
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._shapes[name]
-
-    def pop(self, name: str, default=None):
-        """Forget `name` (the reader of a GGUF's rope factors, which are config, not weights): its
-        array, or `default` when there is none."""
-        if name not in self._readers:
-            return default
-        self._shapes.pop(name)
-        return self._readers.pop(name)()

@@ -15,17 +15,14 @@ import numpy as np
 from jspec.model.config import ModelConfig
 
 Params = dict
-OUTER = ("embed", "final_norm", "lm_head")  # the parameters outside the layers
 
 
-def outer_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], names: Sequence[str] = OUTER,
-                  dtype=np.float32) -> Params:
-    """The parameters outside the layers that `names` lists (embed, final_norm, lm_head; an untied
-    model's only), cast to `dtype`."""
+def outer_from_hf(tensors: Mapping[str, np.ndarray], names: Sequence[str], dtype=np.float32) -> Params:
+    """The parameters outside the layers that `names` lists (of embed, final_norm and an untied
+    model's lm_head), cast to `dtype`."""
     get = _getter(tensors)
     hf_names = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
-    return {name: get(hf_names[name]).astype(dtype) for name in names
-            if name != "lm_head" or not cfg.tie_word_embeddings}
+    return {name: get(hf_names[name]).astype(dtype) for name in names}
 
 
 def layer_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], i: int, dtype=np.float32) -> Params:

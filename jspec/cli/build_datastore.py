@@ -27,13 +27,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jspec.convert import store
+    from jspec import files
     from jspec.parts import datastore
     from jspec.training import build_datastore
 
     build_datastore.check_args(args.min_count, args.min_share)
     answers = build_datastore.read_answers(args.data)
-    store.check_output(args.out, datastore.FOLDER.marker)
+    files.check_output(args.out, datastore.FOLDER.marker)
     model = load_model(args)
     path, entries, count, tokens = build_datastore.make(model, answers, args.out, min_count=args.min_count,
                                                         min_share=args.min_share)

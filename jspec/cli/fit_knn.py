@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jspec.convert import store
+    from jspec import files
     from jspec.parts import knn
     from jspec.training import fit_knn
 
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         raise JspecError(f"--no-anchors names no set in {args.sets}: {', '.join(sorted(bare - {s.name for s in sets}))}")
     if bare == {s.name for s in sets}:
         raise JspecError("--no-anchors names every set: the nearest-neighbour lookup would have nothing to find")
-    store.check_output(args.out, knn.FOLDER.marker)
+    files.check_output(args.out, knn.FOLDER.marker)
     model = load_model(args)
     out, anchors, domains = fit_knn.fit(model, sets, bare, Path(args.sets) / ".features", args.out, count=args.count,
                                         centres_per_domain=args.centres, max_prompt_tokens=args.max_prompt_tokens,

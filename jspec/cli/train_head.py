@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jspec.convert import store
+    from jspec import files
     from jspec.parts import heads
     from jspec.training import distill, train_head
 
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         distill.read_meta(folder)
     if args.init:
         heads.read_meta(args.init)  # before the model loads
-    store.check_output(args.out, heads.FOLDER.marker)
+    files.check_output(args.out, heads.FOLDER.marker)
     model = load_model(args)
     if args.exit_layer is None:
         recipe = dataclasses.replace(recipe, exit_layer=model.cfg.num_layers)

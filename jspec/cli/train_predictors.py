@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jspec.convert import store
+    from jspec import files
     from jspec.jsonl import read_prompts
     from jspec.parts import predictors
     from jspec.training import train_predictors
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     if source.name in ("spec_bench.jsonl", "spec_bench.jsonl.gz"):
         raise JspecError("spec_bench is the evaluation set: train on training prompts")
     prompts = read_prompts(source)
-    store.check_output(args.out, predictors.FOLDER.marker)
+    files.check_output(args.out, predictors.FOLDER.marker)
     model = load_model(args)
     path, summary = train_predictors.make(model, prompts, args.out, head=args.head, count=args.count,
                                     max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,

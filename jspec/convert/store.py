@@ -18,14 +18,11 @@ conversion never leaves something that looks like a checkpoint.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Mapping
 
@@ -34,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.errors import JspecError
+from jspec.files import write_text, writing_folder
 from jspec.model import layout
 from jspec.model.config import ModelConfig
 from jspec.tokenizer import Tokenizer
@@ -175,40 +173,6 @@ def _save_piece(path: Path, tree) -> None:
     ckpt = ocp.StandardCheckpointer()
     ckpt.save(path.absolute(), tree, save_args=jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), tree))
     ckpt.wait_until_finished()
-
-
-def check_output(path: str | os.PathLike, marker: str) -> None:
-    """Refuse `path` as an output folder unless it is absent, empty, or an earlier output of the
-    same kind (it holds `marker`, e.g. head.json): writing replaces it whole, and must never
-    delete anything else (a checkout, a data folder, a home directory)."""
-    path = Path(path)
-    if path.is_dir() and (path / marker).is_file():
-        return
-    if path.exists() and not path.is_dir():
-        raise JspecError(f"{path} is a file, not a folder to write")
-    if path.exists() and any(path.iterdir()):
-        raise JspecError(f"{path} exists, is not empty and holds no earlier output of this command "
-                         f"(no {marker}); name a new or empty folder")
-
-
-@contextlib.contextmanager
-def writing_folder(path: str | os.PathLike, marker: str):
-    """Yield an empty temporary folder beside `path`; when the block completes it replaces `path`,
-    and if the block fails it is removed, so `path` is never half-written. `path` must pass
-    `check_output` with `marker`, before the block and again when it is replaced."""
-    path = Path(path)
-    check_output(path, marker)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
-        yield tmp
-        check_output(path, marker)
-        if path.exists():
-            shutil.rmtree(path)
-        tmp.rename(path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def save_params(path: Path, params) -> None:

@@ -6,7 +6,7 @@ data beside one JSON file, the marker (`head.json`, `predictors.json`, ...): the
 the `fingerprint` of the model it was made for, and how it was made. `PartFolder` names one kind of
 folder; `read_meta` refuses, in one line, a folder that is not of the kind, of another format or
 (`check_model`) of another model; `writing` writes one under a temporary name that replaces the
-destination only when complete (jspec.convert.store.writing_folder). `resolve` finds the folder a
+destination only when complete (jspec.files.writing_folder). `resolve` finds the folder a
 method runs with (the user's path, else the one shipped for the default model) and `cached` keeps
 each folder's loaded arrays once per version and mesh: every `generate` call builds its method.
 """
@@ -20,7 +20,7 @@ import json
 import os
 from pathlib import Path
 
-from jspec.convert.store import writing_folder
+from jspec.files import writing_folder
 from jspec.errors import JspecError
 from jspec.model.config import ModelConfig
 from jspec.parts import shipped

@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import FORMATS, KINDS, TINY, hf_config_class, hf_logits
 
-from jspec import batching
+from jspec import batching, files
 from jspec.convert import store
 from jspec.errors import JspecError
 from jspec.model import attention, decoder, layout
@@ -357,7 +357,7 @@ def test_an_output_folder_replaces_only_an_output_of_its_kind(tmp_path):
     """writing_folder replaces a folder only when it is absent, empty, or holds the same kind's
     marker file: never a folder of anything else (once it took a whole checkout), never a file."""
     def write(path, text):
-        with store.writing_folder(path, "kind.json") as tmp:
+        with files.writing_folder(path, "kind.json") as tmp:
             (tmp / "kind.json").write_text(text)
 
     write(tmp_path / "new" / "out", "1")                       # absent, parents made

@@ -78,8 +78,8 @@ def cache_bytes(cfg: ModelConfig, rows: int, length: int, mesh: jax.sharding.Mes
 def check_cache_fits(rows: int, length: int, need: int, stats: dict | None, freed: int = 0) -> None:
     """Refuse a KV cache of `need` bytes per device that the memory left free on a device (its
     `memory_stats()`, once `freed` bytes, the cache kept from the last batch, are freed) cannot
-    hold. A device that reports no limit (a CPU: None) is not checked. The program's own
-    temporaries, a drafter's cache among them, come on top: passing is no promise that it runs."""
+    hold. A device that reports no limit is not checked. The program's own temporaries, a
+    drafter's cache among them, come on top: passing is no promise that it runs."""
     if not stats or "bytes_limit" not in stats:
         return
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0) + freed
@@ -91,8 +91,28 @@ def check_cache_fits(rows: int, length: int, need: int, stats: dict | None, free
 
 
 def _memory_stats(mesh: jax.sharding.Mesh | None) -> list[dict | None]:
-    """The memory stats of each device of this process that a cache goes to."""
-    return [d.memory_stats() for d in (jax.local_devices()[:1] if mesh is None else mesh.local_devices)]
+    """The memory stats of each device of this process that a cache goes to. A CPU device reports
+    none: its memory is the host's, shared by this process's CPU devices, so each gets its part of
+    what the host has available."""
+    devices = jax.local_devices()[:1] if mesh is None else list(mesh.local_devices)
+    stats = [d.memory_stats() for d in devices]
+    cpus = sum(s is None and d.platform == "cpu" for d, s in zip(devices, stats))
+    host = host_memory_available() if cpus else None
+    return [{"bytes_limit": host // cpus, "bytes_in_use": 0} if s is None and d.platform == "cpu" and host else s
+            for d, s in zip(devices, stats)]
+
+
+def host_memory_available() -> int | None:
+    """Bytes the host can still give this process without swapping (Linux's MemAvailable), or None
+    where the system does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 class Model:
@@ -116,6 +136,7 @@ class Model:
             raise JspecError("a prompt is empty")  # as in a prompts file (jspec.jsonl.read_prompts)
         if self.tokenizer is None:
             raise JspecError(f"model {self.name} has no tokenizer: pass token ids instead of text")
+        self._check_length(prompt if isinstance(prompt, str) else "".join(str(m.get("content", "")) for m in prompt))
         if isinstance(prompt, str) and not chat:
             return self.tokenizer.encode(prompt)
         if not chat:
@@ -125,6 +146,19 @@ class Model:
         if self.tokenizer.chat_template is None:
             raise JspecError(f"model {self.name} has no chat template: use --no-chat")
         return self.tokenizer.encode_chat(messages)
+
+    def _check_length(self, text: str) -> None:
+        """Refuse, before tokenizing it, a text that no tokenization could fit in the context: a
+        token covers at most the vocabulary's longest entry in characters (times 4, for what a
+        normalizer may compose), so a 100 MB prompt fails at once rather than after minutes."""
+        context = self.cfg.max_position_embeddings
+        if len(text) > 4 * context * self._longest_token:
+            raise JspecError(f"a prompt of {len(text)} characters is far longer than the model's context of "
+                             f"{context} tokens can hold")
+
+    @functools.cached_property
+    def _longest_token(self) -> int:
+        return max(map(len, self.tokenizer.backend.get_vocab(with_added_tokens=True)), default=1)
 
     def requests(self, prompts: Iterable[Prompt], chat: bool = True, start: int = 0) -> list[Request]:
         """Encode prompts; `start` is the index of the first one in the caller's full list."""
@@ -251,6 +285,11 @@ class Model:
         seconds = time.perf_counter() - t0
         self._caches[(rows, s)] = cache
         top = {name: stats.pop(name) for name in ("top_ids", "top_logprobs") if name in stats}
+        finite = stats.pop("finite")
+        if not finite[:len(batch)].all():
+            first = batch[int(np.argmin(finite[:len(batch)]))]
+            raise JspecError(f"the model's first logits for prompt {first.id!r} are not finite numbers (NaN or "
+                             f"infinity): its weights or its dtype ({self.dtype}) cannot run it")
         records = [self._record(r, out[i, :stats["new_tokens"][i]], {k: v[i].tolist() for k, v in stats.items()},
                                 seconds) for i, r in enumerate(batch)]
         for i, record in enumerate(records):

@@ -3,8 +3,18 @@
 Every process runs the same program (SPMD) through `jax.distributed`: `initialize` joins the run,
 after which `jax.devices()` lists every process's devices, so a `--mesh` spans them all and jit
 places each row of a batch on the process whose devices hold it. jspec adds only what the CLI
-needs around that: checks that turn a bad setup into one line instead of a hang or an abort, and
-the three transfers of a generation run (`rows_array`, `gather`, `from_writer`).
+needs around that: checks that turn a bad setup into one line instead of a hang or an abort, the
+three transfers of a generation run (`rows_array`, `gather`, `from_writer`), and `fail`.
+
+A failure on one process ends them all within seconds, each in one line. The failing process (the
+CLI's error path calls `fail`) publishes its message in the coordination service's key-value
+store and exits, without waiting in jax's shutdown barrier for processes that will never get
+there. A watchdog thread on every process, from the join to its exit, reads it at once, prints
+`jspec: error: process N failed: MESSAGE` and exits with that process's status, even while its
+main thread waits inside a collective. Process 0, which holds the service, leaves last. Records
+are fsynced batch by batch, so these abrupt exits lose none (`--resume` continues). A process
+killed outright says nothing: jax's client then aborts the others (its C++ fatal error and stack
+trace), at once when process 0 was killed, after jax's heartbeat timeout (100 s) otherwise.
 
     process 0:  jspec generate ... --coordinator HOST:PORT --num-processes 2 --process-id 0
     process 1:  jspec generate ... --coordinator HOST:PORT --num-processes 2 --process-id 1
@@ -13,6 +23,7 @@ the three transfers of a generation run (`rows_array`, `gather`, `from_writer`).
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
 import socket
@@ -25,6 +36,15 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jspec.errors import JspecError
+
+# The run's failure in the coordination service's key-value store: "PROCESS STATUS MESSAGE", set once,
+# by the first process that fails. A watchdog that reads it answers under _SEEN + its process id.
+_FAILED = "jspec/failed"
+_SEEN = "jspec/seen/"
+_POLL_MS = 1000
+_ACK_S = 5.0  # how long process 0 waits for the others to have read a failure
+_exiting = threading.Event()  # set at exit: the coordination service's going away is expected then
+_last_word = threading.Lock()  # taken for good by the one thread that prints this process's last line
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
@@ -60,6 +80,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         except ValueError as e:  # jax found no cluster in the environment
             raise JspecError(f"--distributed found no multi-process setup here ({e}); give --coordinator, "
                              "--num-processes and --process-id") from None
+        _start_watchdog()
         return
     if process_id != 0:
         # jax's client aborts the process (a C++ fatal error with a stack trace) when no coordinator
@@ -77,6 +98,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
                                    process_id=process_id, initialization_timeout=timeout + 30)
     finally:
         watchdog.cancel()
+    _start_watchdog()
     # jax takes the process count from the coordinator: a process started with another count joins
     # without complaint, and would wait forever in the first collective that counts on it.
     counts = multihost_utils.process_allgather(np.asarray([num_processes]))
@@ -85,11 +107,116 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
                          f"by process id); the coordinator expects {jax.process_count()}")
 
 
-def _give_up(message: str) -> None:
+def _give_up(message: str, status: int = 2) -> None:
     """A clean exit from a thread while the main thread is stuck inside jax's C++ (no exception
-    can reach it there): the CLI's one-line error and exit status 2."""
-    print(f"jspec: error: {message}", file=sys.stderr, flush=True)
-    os._exit(2)
+    can reach it there): the CLI's one-line error and exit `status` (2: the CLI's for bad input)."""
+    _last_word.acquire()  # one line a process: a second thread that gets here waits for the exit
+    _say(message)
+    os._exit(status)
+
+
+def _say(message: str, fresh_line: bool = False) -> None:
+    print(("\n" if fresh_line else "") + f"jspec: error: {message}", file=sys.stderr, flush=True)
+
+
+def _run():
+    """jax's state of the multi-process run this process joined (its process_id, num_processes and
+    the coordination service's client), or None outside one. jax has no public path to the
+    service's key-value store (0.10); its own multihost_utils reads it here too."""
+    from jax._src import distributed as jax_distributed
+
+    run = jax_distributed.global_state
+    return run if jax.distributed.is_initialized() and run.num_processes > 1 else None
+
+
+def _start_watchdog() -> None:
+    run = _run()
+    if run is None:
+        return
+    watchdog = threading.Thread(target=_watch, args=(run.client, run.process_id, run.num_processes),
+                                name="jspec-watchdog", daemon=True)
+    watchdog.start()
+    atexit.register(_leave, watchdog)  # registered after jax's exit hook, so it runs first
+
+
+def _leave(watchdog: threading.Thread) -> None:
+    """At exit: through jax's shutdown barrier with the watchdog still watching (a process that
+    fails while this one waits there ends it too), then the watchdog stopped: a thread inside
+    jax's C++ when Python finalizes aborts the process."""
+    _exiting.set()
+    jax.distributed.shutdown()
+    watchdog.join(timeout=2 * _POLL_MS / 1000)
+
+
+def _watch(client, me: int, count: int) -> None:
+    """Until this process exits (through jax's shutdown barrier too): end it, in one line, once
+    another process has failed (with that process's status), or once the coordination service is
+    gone where jax has not aborted it for that first."""
+    while True:
+        try:
+            failure = client.blocking_key_value_get(_FAILED, _POLL_MS)
+        except Exception as e:  # jax's errors begin with their gRPC status
+            if str(e).startswith("DEADLINE_EXCEEDED"):  # nothing failed within the poll
+                continue
+            if _exiting.is_set():  # the run is over: the service shuts down with it
+                return
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            _give_up(f"lost the run's coordination service (did process 0 stop?): {reason}", 1)
+        process, status, message = failure.split(" ", 2)
+        if int(process) == me:  # fail() is ending this process
+            return
+        _last_word.acquire()
+        # Process 0 may be drawing a progress bar (the CLI's), which ends without a newline.
+        _say(f"process {process} failed: {message}", fresh_line=me == 0)
+        if me == 0:
+            _let_the_others_read(client, count, int(process))
+        else:
+            try:
+                client.key_value_set(_SEEN + str(me), "")
+            except Exception:  # process 0 has gone already
+                pass
+        os._exit(int(status))
+
+
+def _let_the_others_read(client, count: int, failed: int) -> None:
+    """On process 0, which holds the coordination service: wait (a few seconds at most) until
+    every process but the failed one has read the failure. When the service goes, jax aborts the
+    processes still connected to it (a C++ fatal error), before their watchdogs can say a word."""
+    deadline = time.monotonic() + _ACK_S
+    for process in range(1, count):
+        left = int((deadline - time.monotonic()) * 1000)
+        if process != failed and left > 0:
+            try:
+                client.blocking_key_value_get(_SEEN + str(process), left)
+            except Exception:  # stuck where its watchdog cannot run: the deadline bounds the wait
+                pass
+
+
+def fail(message: str, status: int) -> None:
+    """In a multi-process run, end this process for an error in it: print `jspec: error: MESSAGE`,
+    tell the other processes (each of their watchdogs prints `process N failed: MESSAGE` and exits
+    with `status`) and exit with `status` within seconds, without waiting in jax's shutdown
+    barrier for processes it was computing with. Returns, doing nothing, in a run of one process."""
+    run = _run()
+    if run is None:
+        return
+    _last_word.acquire()
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    _say(message)
+    failed = run.process_id
+    try:
+        run.client.key_value_set(_FAILED, f"{failed} {status} {' '.join(message.split())}")
+    except Exception:  # another process failed first (the others are reading its failure), or the service is gone
+        try:
+            failed = int(run.client.key_value_try_get(_FAILED).split(" ", 1)[0])
+        except Exception:
+            os._exit(status)
+    if run.process_id == 0:
+        _let_the_others_read(run.client, run.num_processes, failed)
+    os._exit(status)
 
 
 def _address(coordinator: str) -> tuple[str, int]:
@@ -110,6 +237,11 @@ def _wait_for(host: str, port: int, timeout: float) -> None:
                 raise JspecError(f"no coordinator answered at {host}:{port} within {timeout:g} s "
                                  f"(is process 0 running, and is the address right?)") from None
             time.sleep(0.5)
+
+
+def joined() -> bool:
+    """Whether this process is one of a multi-process run (of more than one process)."""
+    return _run() is not None
 
 
 def is_writer() -> bool:

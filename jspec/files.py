@@ -1,7 +1,7 @@
 """Writing files and folders so that a crash, a full disk or a second run never leaves one torn.
 
 A file is written under a temporary name beside it, fsynced and renamed over the old one
-(`write_text`); a folder is filled under a temporary name and swapped in whole (`writing_folder`):
+(`replacing`, `write_text`); a folder is filled under a temporary name and swapped in whole (`writing_folder`):
 the old one is renamed aside, the new one renamed in, and only then is the old one removed, so a
 process that opened the old folder keeps reading it and no moment exists without a complete one.
 """
@@ -31,14 +31,16 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def write_text(path: str | os.PathLike, text: str) -> None:
-    """Replace the file `path` with `text`, all or nothing; a symlink at `path` is replaced, never
-    followed."""
+@contextlib.contextmanager
+def replacing(path: str | os.PathLike):
+    """Yield a binary file whose contents replace the file `path`, all or nothing: written under a
+    temporary name beside it, fsynced and renamed over it when the block completes, removed if
+    it fails. A symlink at `path` is replaced, never followed."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -46,6 +48,12 @@ def write_text(path: str | os.PathLike, text: str) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """Replace the file `path` with `text` (UTF-8), as `replacing` does."""
+    with replacing(path) as f:
+        f.write(text.encode("utf-8"))
 
 
 def check_output(path: str | os.PathLike, marker: str) -> None:

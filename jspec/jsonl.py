@@ -9,22 +9,36 @@ Records go to `OUT.partial`, appended and fsynced batch by batch as the batches 
 `finish()` puts them in the prompts' order and renames the file to `OUT` atomically. An
 interrupted run leaves `OUT` untouched and the partial file in place, and
 `RecordWriter(OUT, resume=True)` keeps what it holds, so the next run only does the rest (with
-the settings the partial file was written with: they are kept beside it).
+the settings the partial file was written with, kept beside it in `OUT.partial.settings`).
+A run without `resume` keeps an earlier partial file until its own first batch is durable in
+a new file renamed over it, so a run that fails first (a bad option) loses nothing. One run at a
+time writes an output (it holds `OUT.lock` with flock, released however the process ends). `OUT`
+is replaced only when it is an earlier output (empty, or every line an object with "id" and
+"token_ids", as records and bench's rows are) or with `overwrite`. The partial, settings and lock
+files are never followed through a symbolic link. A record's `prompt_sha256`, where it has one,
+is kept in `prompt_digests` for resumes.
 `read_records` reads an output back (for `jspec compare`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import gzip
+import hashlib
 import json
+import logging
 import os
-import shutil
 import tempfile
+import types
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
-from jspec import prompt_sets
+from jspec import files, prompt_sets
 from jspec.errors import JspecError
+
+log = logging.getLogger("jspec")
+HEAD = "partial_first_line_sha256"  # a settings file's key: the first line of the partial file it belongs to
 
 
 def read_prompts(path) -> list[dict]:
@@ -57,9 +71,23 @@ def read_prompts(path) -> list[dict]:
 
 
 def check_not_prompts(output: str | os.PathLike, prompts: str | os.PathLike) -> None:
-    """Refuse an output file that is the prompts file: the results would replace the prompts."""
-    if os.path.exists(output) and os.path.exists(prompts) and os.path.samefile(output, prompts):
-        raise JspecError(f"--output {output} is the --prompts file: the results would replace the prompts")
+    """Refuse an output one of whose files (`output_files`: OUT, its partial, settings and lock
+    files) is the prompts file: the run would replace the prompts, or adopt them as records."""
+    for path in output_files(output):
+        if os.path.exists(path) and os.path.exists(prompts) and os.path.samefile(path, prompts):
+            what = f"--output {output}" if path == Path(output) else f"{path} (a file of --output {output})"
+            raise JspecError(f"{what} is the --prompts file: the results would replace the prompts")
+
+
+def output_files(output: str | os.PathLike) -> tuple[Path, Path, Path, Path]:
+    """The files a RecordWriter of `output` writes: OUT, OUT.partial, OUT.partial.settings, OUT.lock."""
+    path = Path(output)
+    return (path, path.with_name(path.name + ".partial"), path.with_name(path.name + ".partial.settings"),
+            path.with_name(path.name + ".lock"))
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
 
 
 def read_records(path: str | os.PathLike) -> list[dict]:
@@ -131,33 +159,43 @@ def _check_unicode(text: str, where: str) -> None:
 class RecordWriter:
     """Append records to `OUT.partial`; `finish()` renames it to `OUT`.
 
-    `done_ids` holds the ids already written (from a previous run, with `resume`), and
-    `complete` is True when `OUT` already exists and `resume` asks only to finish what is left.
-    `settings` (a JSON-able dict: model, method, options) go beside the partial file, in
-    `OUT.partial.settings`, while it exists; a resume with other settings is refused, so that no
-    output mixes records of two configurations.
+    `done_ids` holds the ids already written (by a previous run, with `resume`), `prompt_digests`
+    their `prompt_sha256`s, and `complete` is True when `OUT` exists and `resume` asks only to
+    finish what is left. `settings` (JSON-able: model, method, options) go beside the partial file;
+    a resume with others is refused, so that no output mixes two configurations. `overwrite`: `OUT`
+    may be any file. `extend` (with `resume`): a complete `OUT` is extended, not kept as it is.
     """
 
-    def __init__(self, path: str | os.PathLike, resume: bool = False, settings: dict | None = None):
-        self.path = Path(path)
-        self.partial = self.path.with_name(self.path.name + ".partial")
-        self._settings_path = self.path.with_name(self.partial.name + ".settings")
+    def __init__(self, path: str | os.PathLike, resume: bool = False, settings: dict | None = None,
+                 overwrite: bool = False, extend: bool = False):
+        self.path, self.partial, self._settings_path, self.lock_path = output_files(path)
         self._settings = None if settings is None else json.loads(json.dumps(settings))
+        self._overwrite = overwrite
         self.done_ids: set = set()
+        self.prompt_digests: dict = {}
         self.count = 0
-        self._file = None
+        self._file = self._head = None  # _head: the partial file's first line, which its settings name
         if self.path.is_dir():
             raise JspecError(f"output {self.path} is a directory")
-        self.complete = resume and self.path.exists() and not self.partial.exists()
-        if self.complete:
-            return
         self._check_writable()
-        if resume and self.partial.exists():
-            self._check_settings()
-            self._recover()
-        else:
-            self.partial.unlink(missing_ok=True)
-            self._settings_path.unlink(missing_ok=True)
+        for p in (self.partial, self._settings_path, self.lock_path):
+            if p.is_symlink():
+                raise JspecError(f"{p} is a symbolic link, which jspec does not write through; remove it")
+        self._lock = _lock(self.lock_path, self.path)
+        try:
+            if resume and extend and self.path.is_file() and not self.partial.exists():
+                files.write_text(self.partial, prompt_sets.read_text(self.path, "records"))
+            self.complete = resume and self.path.exists() and not self.partial.exists()
+            if not self.complete:
+                self._check_replaceable()
+                if resume and self.partial.exists():
+                    self._recover()
+                elif self.partial.exists():
+                    log.warning(f"{self.partial} holds records of an interrupted run: this run replaces them when "
+                                "it writes its first batch (stop it now and add --resume to keep them)")
+        except BaseException:
+            self.close()
+            raise
 
     def _check_writable(self) -> None:
         """Fail now, not after the first batch has been computed, where the output cannot go."""
@@ -170,10 +208,31 @@ class RecordWriter:
         except OSError as e:
             raise JspecError(f"cannot write {self.path}: {e.strerror or e}") from None
 
+    def _check_replaceable(self) -> None:
+        """Unless `overwrite`, refuse an `OUT` that finishing would replace and that is not an
+        earlier output: empty, or every line a JSON object with "id" and "token_ids"."""
+        try:
+            ours = self._overwrite or not self.path.exists() or all(
+                "id" in obj and "token_ids" in obj for _, _, obj in _objects(self.path, "records", ""))
+        except JspecError:
+            ours = False
+        if not ours:
+            raise JspecError(f"{self.path} exists and is not an earlier output (records with \"id\" and "
+                             "\"token_ids\"); give --overwrite to replace it, or another --output")
+
     def _check_settings(self) -> None:
         if self._settings is None or not self._settings_path.exists():  # a partial file of an older jspec
             return
-        before = json.loads(self._settings_path.read_text())
+        try:
+            before = json.loads(self._settings_path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            before = None
+        if not isinstance(before, dict):
+            raise JspecError(f"{self._settings_path} is damaged; run without --resume to start over")
+        head = before.pop(HEAD, None)  # absent from an older jspec's
+        if head is not None and self._head is not None and head != _digest(self._head):
+            raise JspecError(f"{self._settings_path} is not the settings of {self.partial} (a run stopped while "
+                             "replacing it); run without --resume to start over")
         other = {k: before.get(k) for k in sorted(before.keys() | self._settings.keys())
                  if before.get(k) != self._settings.get(k)}
         if other:
@@ -182,24 +241,29 @@ class RecordWriter:
                              "or run without --resume to start over")
 
     def _recover(self) -> None:
-        """Keep the complete records of the partial file; cut off a truncated last line."""
-        data = self.partial.read_bytes()
-        keep = 0
-        lines = data.split(b"\n")
-        for i, line in enumerate(lines[:-1]):  # the last piece has no newline: truncated (or empty)
-            try:
-                record = json.loads(line)
-                if not isinstance(record, dict) or "id" not in record:
-                    raise ValueError("not a record")
-            except ValueError:
-                if i == len(lines) - 2 and not lines[-1]:
-                    break  # the last line is garbage (torn by a crash): redo it
-                raise JspecError(f"{self.partial} line {i + 1} is corrupt; delete it or run without --resume") from None
-            self.done_ids.add(record["id"])
-            self.count += 1
-            keep += len(line) + 1
-        if keep < len(data):
-            with open(self.partial, "r+b") as f:
+        """Keep the complete records of the partial file, its settings checked; cut a torn last line."""
+        with open(self.partial, "r+b", opener=_no_follow) as f:
+            data = f.read()
+            keep = 0
+            lines = data.split(b"\n")
+            for i, line in enumerate(lines[:-1]):  # the last piece has no newline: truncated (or empty)
+                try:
+                    record = json.loads(line)
+                    if not isinstance(record, dict) or "id" not in record:
+                        raise ValueError("not a record")
+                except ValueError:
+                    if i == len(lines) - 2 and not lines[-1]:
+                        break  # the last line is garbage (torn by a crash): redo it
+                    raise JspecError(f"{self.partial} line {i + 1} is corrupt; delete it or run without "
+                                     "--resume") from None
+                self.done_ids.add(record["id"])
+                if "prompt_sha256" in record:
+                    self.prompt_digests[record["id"]] = record["prompt_sha256"]
+                self.count += 1
+                keep += len(line) + 1
+            self._head = lines[0] if self.count else None
+            self._check_settings()
+            if keep < len(data):
                 f.truncate(keep)
                 f.flush()
                 os.fsync(f.fileno())
@@ -209,67 +273,89 @@ class RecordWriter:
         lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
         if not lines:
             return
+        written = lines.count("\n")
         if self._file is None:
-            if self._settings is not None and not self._settings_path.exists():
-                self._settings_path.write_text(json.dumps(self._settings, sort_keys=True) + "\n")
-            self._file = open(self.partial, "a", encoding="utf-8")
+            lines = self._start(lines)
         self._file.write(lines)
         self._file.flush()
         os.fsync(self._file.fileno())
-        self.count += lines.count("\n")
+        self.count += written
+
+    def _start(self, lines: str) -> str:
+        """Open the partial file a resume keeps, or a new one holding `lines` renamed over any earlier
+        one once it and its settings are durable; returns what is left to append."""
+        if self._head is None:
+            tmp = self._temporary(lines.encode("utf-8"))
+            self._head, lines = lines.split("\n", 1)[0].encode("utf-8"), ""
+            try:  # the settings name the new first line: a crash before the rename is seen (_check_settings)
+                self._write_settings()
+                os.replace(tmp, self.partial)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            files.fsync_dir(self.partial.parent)
+        elif not self._settings_path.exists():  # a partial file of an older jspec
+            self._write_settings()
+        self._file = open(self.partial, "a", encoding="utf-8", opener=_no_follow)
+        return lines
+
+    def _write_settings(self) -> None:
+        if self._settings is None:
+            self._settings_path.unlink(missing_ok=True)
+        else:  # named by the partial file's first line, the one it belongs to
+            files.write_text(self._settings_path,
+                             json.dumps({**self._settings, HEAD: _digest(self._head)}, sort_keys=True) + "\n")
 
     def close(self) -> None:
+        """Close the partial file and release the output: the writer is done."""
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None
+            with contextlib.suppress(OSError):  # a full disk fails the flush again: the write said so already
+                file.close()
+        if self._lock is not None:
+            with contextlib.suppress(FileNotFoundError):  # only while it is the file this writer holds
+                if os.path.samestat(os.lstat(self.lock_path), os.fstat(self._lock.fileno())):
+                    self.lock_path.unlink()
+            self._lock.close()
+            self._lock = None
 
     def finish(self, order: Sequence | None = None) -> Path:
-        """Publish the output: rename `OUT.partial` to `OUT` (atomic on one file system), its
-        records first sorted into `order` (their ids) if given."""
-        self.close()
-        if self.complete:
-            return self.path
-        if not self.partial.exists():  # nothing was written (and nothing to resume): an empty output
-            self.partial.touch()
-        if order is not None:
-            self._sort(order)
-        if self.path.name.endswith(".gz"):  # the partial file stays plain: appends and resumes need it so
-            self._compress()
-        os.replace(self.partial, self.path)
-        self._settings_path.unlink(missing_ok=True)
+        """Publish the output: rename `OUT.partial` to `OUT` (atomic on one file system), its records
+        first sorted into `order` (their ids) if given, and release it (empty if nothing was written)."""
         try:
-            fd = os.open(self.path.parent, os.O_RDONLY)
-        except OSError:
-            return self.path
-        try:
-            os.fsync(fd)
-        except OSError:
-            pass
+            if not self.complete:
+                if self._file is None:
+                    self._start("")  # a new empty partial file, or the one resumed
+                self._file.close()
+                if order is not None:
+                    self._sort(order)
+                self._check_replaceable()  # again: OUT may have appeared while the run ran
+                if self.path.name.endswith(".gz"):  # the partial file stays plain: appends and resumes need it so
+                    os.replace(self._temporary(gzip.compress(self.partial.read_bytes(), mtime=0)), self.path)
+                    self.partial.unlink()
+                else:
+                    os.replace(self.partial, self.path)
+                self._settings_path.unlink(missing_ok=True)
+                files.fsync_dir(self.path.parent)
         finally:
-            os.close(fd)
+            self.close()
         return self.path
 
     def _sort(self, order: Sequence) -> None:
         lines = self.partial.read_bytes().split(b"\n")[:-1]  # every record ends with a newline
         rank = {json.dumps(i): n for n, i in enumerate(order)}
         ordered = sorted(lines, key=lambda line: rank.get(json.dumps(json.loads(line)["id"]), len(rank)))
-        if ordered == lines:
-            return
-        sorting = self.partial.with_name(self.partial.name + ".sorting")
-        with open(sorting, "wb") as f:
-            f.write(b"".join(line + b"\n" for line in ordered))
+        if ordered != lines:  # a crash before the rename leaves the complete partial file either way
+            os.replace(self._temporary(b"".join(line + b"\n" for line in ordered)), self.partial)
+
+    def _temporary(self, data: bytes) -> Path:
+        """A new file beside the partial file holding `data`, durably."""
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.partial.name}.", dir=self.partial.parent)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(sorting, self.partial)  # a crash here leaves a complete partial file either way
-
-    def _compress(self) -> None:
-        packed = self.partial.with_name(self.partial.name + ".gz")
-        with open(self.partial, "rb") as src, open(packed, "wb") as raw:
-            with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as f:
-                shutil.copyfileobj(src, f)
-            raw.flush()
-            os.fsync(raw.fileno())
-        os.replace(packed, self.partial)
+        return Path(tmp)
 
     def __enter__(self) -> "RecordWriter":
         return self
@@ -278,11 +364,44 @@ class RecordWriter:
         self.close()
 
 
+def _no_follow(path, flags):
+    return os.open(path, flags | os.O_NOFOLLOW)
+
+
+def _lock(path: Path, output: Path):
+    """The lock file `path` of `output`, open and held (flock: released when the process ends,
+    however it ends), or a one-line refusal when another run holds it."""
+    for _ in range(10):  # another try only when the run that held it ended in between
+        try:
+            f = open(path, "a+b", opener=_no_follow)
+        except OSError as e:
+            raise JspecError(f"cannot lock {path}: {e.strerror or e}") from None
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            raise JspecError(f"{output} is being written by another run (it holds {path}); wait for it to end, "
+                             "or give another --output") from None
+        held = os.fstat(f.fileno())
+        try:
+            current = os.path.samestat(held, os.lstat(path))
+        except FileNotFoundError:
+            current = False
+        if current and not held.st_size:
+            return f
+        f.close()
+        if current:
+            raise JspecError(f"{path} is not a jspec lock file (it is not empty); move it away")
+        # else the run that held it removed it after this one opened it: lock the one there now
+    raise JspecError(f"cannot lock {path}: other runs keep replacing it")
+
+
 class NoWriter:
     """The RecordWriter of a process that computes rows but does not write them (every process
     of a multi-process run but process 0): it has written nothing and keeps nothing."""
 
     done_ids: frozenset = frozenset()
+    prompt_digests = types.MappingProxyType({})
     complete = False
     count = 0
 

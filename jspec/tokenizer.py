@@ -9,26 +9,26 @@ Jinja chat template. It reads and writes Hugging Face's files, so a converted ch
 
 which transformers loads too. GGUF files carry their vocabulary as metadata instead;
 `jspec.convert.gguf` builds the pipeline from it. Chat templates render as transformers renders
-them (same sandboxed Jinja environment, filters, globals and variables), so the prompt text is
-identical.
+them (same sandboxed Jinja environment, filters, globals but `lipsum`, and variables), so the
+prompt text is identical.
+
+The files come with a model, so they are untrusted: a damaged or mistyped one is a JspecError
+naming it, transformers (for slow tokenizers only) never runs a folder's own code, and a chat
+template renders within a bound (jspec.chat_template).
 """
 
 from __future__ import annotations
 
-import datetime
-import functools
 import json
 import logging
 import os
 from pathlib import Path
 from typing import Sequence
 
-import jinja2
-import jinja2.ext
 import tokenizers
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from jspec.errors import JspecError
+from jspec import chat_template
+from jspec.errors import JspecError, first_line
 
 CONFIG = "tokenizer_config.json"
 PIPELINE = "tokenizer.json"
@@ -72,12 +72,7 @@ class Tokenizer:
             raise JspecError("this tokenizer has no chat template")
         # transformers drops keys set to None (an API's `content: null`); templates test for presence.
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
-        try:
-            return _compile(self.chat_template).render(messages=messages, tools=None, documents=None,
-                                                        add_generation_prompt=add_generation_prompt,
-                                                        **self.special_tokens)
-        except jinja2.TemplateError as e:
-            raise JspecError(f"the chat template refused the messages: {e}") from None
+        return chat_template.render(self.chat_template, messages, add_generation_prompt, self.special_tokens)
 
     def encode_chat(self, messages: Sequence[dict]) -> list[int]:
         """Token ids [T] of a conversation followed by the assistant's turn header."""
@@ -108,7 +103,7 @@ class Tokenizer:
             try:
                 backend = tokenizers.Tokenizer.from_file(str(folder / PIPELINE))
             except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception for a file it cannot parse
-                raise JspecError(f"{folder / PIPELINE} is not a tokenizer jspec can read: {e}") from None
+                raise JspecError(f"{folder / PIPELINE} is not a tokenizer jspec can read: {first_line(e)}") from None
             special = _special_tokens(config)
             if "added_tokens_decoder" not in config:
                 # Older folders: transformers lets special_tokens_map.json override the config here.
@@ -124,10 +119,16 @@ class Tokenizer:
 
 
 def _read_json(path: Path) -> dict:
+    """A JSON object from `path` ({} where there is no such file), or a JspecError naming it."""
+    if not path.is_file():
+        return {}
     try:
-        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    except json.JSONDecodeError as e:
-        raise JspecError(f"{path} is not valid JSON: {e}") from None
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8; nesting past the parser's depth
+        raise JspecError(f"{path} is not valid JSON: {first_line(e)}") from None
+    if not isinstance(value, dict):
+        raise JspecError(f"{path} is not a JSON object")
+    return value
 
 
 def _special_tokens(config: dict) -> dict[str, str]:
@@ -139,14 +140,25 @@ def _special_tokens(config: dict) -> dict[str, str]:
 def _chat_template(folder: Path, config: dict) -> str | None:
     """chat_template.jinja wins over the config's entry (as in transformers), then chat_template.json
     (where processors keep theirs). Several named templates: the one called "default"."""
-    if (folder / "chat_template.jinja").is_file():
-        return (folder / "chat_template.jinja").read_text(encoding="utf-8")
-    template = config.get("chat_template") or _read_json(folder / "chat_template.json").get("chat_template")
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        try:
+            return jinja.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise JspecError(f"{jinja} is not UTF-8 text") from None
+    where, template = folder / CONFIG, config.get("chat_template")
+    if not template:
+        where = folder / "chat_template.json"
+        template = _read_json(where).get("chat_template")
     if isinstance(template, list):
-        template = {t["name"]: t["template"] for t in template}
+        if not all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in template):
+            raise JspecError(f"{where}: chat_template is a list whose entries are not named templates")
+        template = {t["name"]: t.get("template") for t in template}
     if isinstance(template, dict):
         template = template.get("default")
-    return template
+    if template is not None and not isinstance(template, str):
+        raise JspecError(f"{where}: chat_template is {type(template).__name__}, not a template's text")
+    return template or None
 
 
 def _convert_slow(folder: Path) -> tuple[tokenizers.Tokenizer, dict[str, str]] | None:
@@ -160,53 +172,9 @@ def _convert_slow(folder: Path) -> tuple[tokenizers.Tokenizer, dict[str, str]] |
                     "(pip install transformers sentencepiece): token ids only", folder)
         return None
     try:
-        slow = AutoTokenizer.from_pretrained(str(folder))
+        # Never the folder's own Python (an auto_map's tokenizer class), and never the network.
+        slow = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False, local_files_only=True)
         return slow.backend_tokenizer, dict(slow.special_tokens_map)  # with the class's defaults (<s>, </s>)
     except Exception as e:  # noqa: BLE001 - whatever the conversion lacks (sentencepiece, protobuf, a file)
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        log.warning("could not convert the tokenizer in %s (%s): token ids only", folder, reason)
+        log.warning("could not convert the tokenizer in %s (%s): token ids only", folder, first_line(e))
         return None
-
-
-# -- chat templates: the Jinja environment transformers renders them in ----------------------------
-
-class _Generation(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; rendering
-    keeps its body (transformers' AssistantTracker does the same when not tracking)."""
-
-    tags = {"generation"}
-
-    def parse(self, parser):
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-    def _body(self, caller):
-        return caller()
-
-
-def _raise_exception(message: str):
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    # Jinja's own tojson escapes HTML characters (<, >, &, '), which would change the prompt.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.datetime.now().strftime(fmt)
-
-
-@functools.cache
-def _compile(template: str) -> jinja2.Template:
-    # Templates come with model files: the sandbox keeps them from reaching Python internals.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_Generation, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    try:
-        return env.from_string(template)
-    except jinja2.TemplateSyntaxError as e:
-        raise JspecError(f"the model's chat template is not valid Jinja: {e}") from None

@@ -284,6 +284,21 @@ def test_chat_messages_must_hold_strings(default_model):
     assert alone["token_ids"] == listed["token_ids"] and alone["prompt_tokens"] == listed["prompt_tokens"]
 
 
+def test_a_prompt_no_context_can_hold_is_refused_before_tokenizing(default_model, monkeypatch):
+    """A prompt of more characters than the context could hold in any tokenization fails at once,
+    as text or as a message, without the tokenizer seeing it."""
+    def untouched(*args, **kwargs):
+        raise AssertionError("tokenized")
+
+    monkeypatch.setattr(default_model.tokenizer, "encode", untouched)
+    monkeypatch.setattr(default_model.tokenizer, "encode_chat", untouched)
+    huge = "x" * (4 * default_model.cfg.max_position_embeddings * 200)
+    for prompt in (huge, [{"role": "user", "content": huge}]):
+        with pytest.raises(JspecError, match=f"far longer than the model's context of "
+                                             f"{default_model.cfg.max_position_embeddings} tokens can hold"):
+            default_model.generate([prompt], max_new_tokens=1)
+
+
 @pytest.fixture(scope="module")
 def default_greedy(default_model):
     """Batch-1 greedy records of the chat prompts (shared by the HF and the batching tests)."""

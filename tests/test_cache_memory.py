@@ -94,3 +94,15 @@ def test_too_large_cache_refused_before_allocating(tiny_llama, monkeypatch):
         model.generate([{"token_ids": [1] * 20}], max_new_tokens=NEW)
     assert model.programs() == {}
     assert len(cache_arrays(model)) == len(before)
+
+
+def test_a_cpu_cache_is_checked_against_the_hosts_memory(tiny_llama, monkeypatch):
+    """A CPU reports no memory stats: the host's available memory, shared by the process's CPU
+    devices, is what a cache must fit (a batch too large fails in one line, not in the OOM killer)."""
+    model = tiny_llama.jspec_model(eos_token_ids=())
+    need = api.cache_bytes(model.cfg, 1, cache_length(20))
+    monkeypatch.setattr(api, "host_memory_available", lambda: need - 1)
+    with pytest.raises(JspecError, match="1 row x 64 positions"):
+        model.generate([{"token_ids": [1] * 20}], max_new_tokens=NEW)
+    monkeypatch.setattr(api, "host_memory_available", lambda: need)
+    assert len(model.generate([{"token_ids": [1] * 20}], max_new_tokens=NEW)[0]["token_ids"]) == NEW

@@ -31,13 +31,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(model, *argv, num=(2, 2), timeout=240, only=None, init_timeout=60, caches=None):
+def launch(model, *argv, num=(2, 2), timeout=240, only=None, init_timeout=60, caches=None, file_limit=None):
     """Run `jspec generate argv` as processes 0 and 1 (or `only` one of them) of one run, each
-    with JSPEC_CACHE caches[i] if given; returns [(returncode, stderr)] by process id."""
+    with JSPEC_CACHE caches[i] if given, process 0's files limited to `file_limit` bytes if given
+    (its writes past it fail, as on a full disk); returns [(returncode, stderr)] by process id."""
+    # set by a Python that then becomes process 0 (exec keeps the limit): no fork of a threaded pytest
+    limited = [] if file_limit is None else [
+        "-c", f"import os, resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, ({file_limit}, {file_limit})); "
+              "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     coordinator = f"localhost:{free_port()}"
-    procs = [subprocess.Popen([sys.executable, "-m", "jspec.cli", "generate", *map(str, argv), "--model", str(model),
-                               "--coordinator", coordinator, "--num-processes", str(num[i]), "--process-id", str(i),
+    procs = [subprocess.Popen([sys.executable, *(limited if i == 0 else []), "-m", "jspec.cli", "generate",
+                               *map(str, argv), "--model", str(model), "--coordinator", coordinator,
+                               "--num-processes", str(num[i]), "--process-id", str(i),
                                "--init-timeout", str(init_timeout)],
                               env=env if caches is None else {**env, "JSPEC_CACHE": str(caches[i])},
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -105,9 +111,9 @@ def test_first_use_of_an_unconverted_model(setup, tmp_path, shared):
         assert [p.name.split("-")[0] for p in cache.iterdir() if not p.name.startswith(".")] == ["source"]
 
 
-def one_line_error(rc, err, phrase):
+def one_line_error(rc, err, phrase, status=2):
     lines = [line for line in err.splitlines() if line.startswith("jspec: ")]
-    assert rc == 2 and "Traceback" not in err and len(lines) == 1 and phrase in lines[0], err
+    assert rc == status and "Traceback" not in err and len(lines) == 1 and phrase in lines[0], err
 
 
 def test_no_coordinator_is_one_line(setup, tmp_path):
@@ -167,3 +173,37 @@ def test_different_commands_are_one_line(setup, tmp_path):
             p.kill()
     for rc, err in results:
         one_line_error(rc, err, "were given other prompts than process 0")
+
+
+def test_a_process_failing_after_the_join_ends_both(setup, tmp_path):
+    """Process 0 alone refuses the output, once both have joined: process 1, waiting for it in
+    a broadcast, ends too, at once, saying why."""
+    model, prompts, _ = setup
+    out = tmp_path / "o.jsonl"
+    out.mkdir()
+    t0 = time.monotonic()
+    [(rc0, err0), (rc1, err1)] = launch(model, "--prompts", prompts, "--output", out, *ARGS, timeout=90)
+    one_line_error(rc0, err0, f"output {out} is a directory")
+    one_line_error(rc1, err1, f"process 0 failed: output {out} is a directory")
+    assert time.monotonic() - t0 < 60  # jax's shutdown barrier alone would hold process 0 for 300 s
+
+
+def test_a_failure_mid_run_ends_both_and_keeps_the_records(setup, tmp_path):
+    """Process 0's disk fills up at its second batch, while process 1 computes the third: both end
+    in one line; the first batch stays in the partial file, and --resume completes the run."""
+    model, prompts, reference = setup
+    out = tmp_path / "two.jsonl"
+    args = ["--prompts", prompts, "--output", out, *ARGS[:2], "--batch-size", "2", *ARGS[4:]]
+    # a record of the tiny model is about 290 bytes: the first batch (two) fits, the second does not
+    [(rc0, err0), (rc1, err1)] = launch(model, *args, file_limit=800, timeout=120)
+    one_line_error(rc0, err0, "File too large", status=1)
+    one_line_error(rc1, err1, "File too large", status=1)
+    assert "jspec: error: process 0 failed: " in err1
+    lines = (tmp_path / "two.jsonl.partial").read_text().split("\n")[:-1]  # the last piece is torn, or empty
+    kept = {r["id"]: r["token_ids"] for r in map(json.loads, lines)}
+    assert list(kept) == ["p5", "p0"] and all(kept[i] == reference[i] for i in kept)  # the shortest prompts
+    assert not out.exists()
+    results = launch(model, *args, "--resume")
+    assert [rc for rc, _ in results] == [0, 0], results
+    assert "resuming: 2 of 7 prompts" in results[0][1]
+    assert records(out) == reference

@@ -48,7 +48,9 @@ def load(model_arg: str | None, threads: int | None = None):
 
         if not src:
             raise JspecError(f"--hf needs the source of {model_arg}, which its jspec.json does not name")
-        hf = AutoModelForCausalLM.from_pretrained(str(resolve_hf_dir(src))).float()
+        # Never the folder's own code (an auto_map), never the network.
+        hf = AutoModelForCausalLM.from_pretrained(str(resolve_hf_dir(src)), trust_remote_code=False,
+                                                  local_files_only=True).float()
     if threads:
         torch.set_num_threads(threads)
     return hf.eval()

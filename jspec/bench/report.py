@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jspec import files
 from jspec.errors import JspecError
 
 INTRO = ("# Benchmarks\n\nMeasured with `jspec bench` (see `benchmarks/README.md`; `benchmarks/run_all.sh` "
@@ -346,9 +347,7 @@ class Report:
         else:
             text = text.rstrip("\n") + "\n\n" + block + "\n"
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
+        files.write_text(path, text)  # whole or not at all: the file holds more than this report
 
     def plot(self, folder: Path) -> None:
         import matplotlib

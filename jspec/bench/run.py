@@ -10,7 +10,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from jspec import methods, prompt_sets
+from jspec import methods
 from jspec.batching import batches
 from jspec.bench import hf as bench_hf, quality
 from jspec.bench.specs import MethodSpec
@@ -27,12 +27,10 @@ def row_key(row: dict) -> tuple:
 class Results:
     """Result rows, appended durably to OUT.partial and published to OUT by `finish()`."""
 
-    def __init__(self, path: str | Path, resume: bool, settings: dict):
+    def __init__(self, path: str | Path, resume: bool, settings: dict, overwrite: bool = False):
         path = Path(path)
-        partial = path.with_name(path.name + ".partial")
-        if resume and path.is_file() and not partial.exists():  # extend a finished run
-            partial.write_text(prompt_sets.read_text(path, "results"), encoding="utf-8")
-        self.writer = RecordWriter(path, resume=resume)
+        # extend: a finished run's rows are resumed, and more methods or sizes added to them
+        self.writer = RecordWriter(path, resume=resume, overwrite=overwrite, extend=True)
         self.rows = []
         if resume and self.writer.partial.exists():
             text = self.writer.partial.read_text(encoding="utf-8")
@@ -40,6 +38,7 @@ class Results:
         for r in self.rows:
             other = {k: r.get(k) for k in settings if r.get(k) != settings[k]}
             if other:
+                self.writer.close()  # let the output go: nothing runs
                 raise JspecError(f"{path} holds rows made with other settings ({other}); use another --output "
                                  "or run without --resume")
         self.done = {row_key(r) for r in self.rows}

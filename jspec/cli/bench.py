@@ -73,6 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("output")
     o.add_argument("--output", required=True, metavar="OUT.jsonl", help="results, one row per method x prompt x batch")
     o.add_argument("--resume", action="store_true", help="keep the rows of OUT (or OUT.partial); run only the rest")
+    o.add_argument("--overwrite", action="store_true",
+                   help="replace OUT even when it is not an earlier output of jspec (a file of rows)")
     o.add_argument("--markdown", default=None, metavar="FILE.md",
                    help="write the report between <!-- SECTION:begin --> and <!-- SECTION:end --> in FILE.md")
     o.add_argument("--section", default="bench", metavar="SECTION",
@@ -128,26 +130,26 @@ def run(args) -> int:
 
     settings = {"model": args.model or DEFAULT_MODEL, "dtype": model_dtype(args), "max_new_tokens": args.max_new_tokens,
                 "chat": not args.no_chat}
-    results = bench_run.Results(args.output, args.resume, settings)
-    model = load(args.model, args.dtype, args.mesh)
-    options = {}
-    for s in specs:  # check every method's options before anything is timed
-        opts = dict(s.options)
-        try:
-            opts = model.load_models(s.name, opts)
-            methods.build(s.name, model, **opts)
-        except JspecError as e:  # the message names the option as a flag: say which entry set it
-            raise JspecError(f"--methods {s.label}: {e}") from None
-        options[s.label] = opts
-    requests = model.requests(prompts, chat=not args.no_chat)
-    hf = functools.cache(lambda: bench_hf.load(args.model, args.torch_threads))  # loaded when first needed
-    eos = list(model.cfg.eos_token_ids) or [0]
-    exit_layer = args.hf_exit_layer or max(1, model.cfg.num_layers // 4)
-    if hf_methods and not 1 <= exit_layer < model.cfg.num_layers:
-        raise JspecError(f"--hf-exit-layer must be between 1 and {model.cfg.num_layers - 1}, got {exit_layer}")
-    try:
-        bench_run.run_all(model, specs, options, sizes, batch_labels, hf, hf_methods, prompts, requests, args, results,
-                 settings, eos, exit_layer)
+    results = bench_run.Results(args.output, args.resume, settings, overwrite=args.overwrite)
+    try:  # from here on the output is locked: every way out lets it go
+        model = load(args.model, args.dtype, args.mesh)
+        options = {}
+        for s in specs:  # check every method's options before anything is timed
+            opts = dict(s.options)
+            try:
+                opts = model.load_models(s.name, opts)
+                methods.build(s.name, model, **opts)
+            except JspecError as e:  # the message names the option as a flag: say which entry set it
+                raise JspecError(f"--methods {s.label}: {e}") from None
+            options[s.label] = opts
+        requests = model.requests(prompts, chat=not args.no_chat)
+        hf = functools.cache(lambda: bench_hf.load(args.model, args.torch_threads))  # loaded when first needed
+        eos = list(model.cfg.eos_token_ids) or [0]
+        exit_layer = args.hf_exit_layer or max(1, model.cfg.num_layers // 4)
+        if hf_methods and not 1 <= exit_layer < model.cfg.num_layers:
+            raise JspecError(f"--hf-exit-layer must be between 1 and {model.cfg.num_layers - 1}, got {exit_layer}")
+        bench_run.run_all(model, specs, options, sizes, batch_labels, hf, hf_methods, prompts, requests, args,
+                          results, settings, eos, exit_layer)
         path = results.writer.finish()
     except BaseException as e:
         results.writer.close()

@@ -1,9 +1,12 @@
 """`jspec generate`: text for one prompt (the answer on stdout, the speed on stderr), or one record
-per prompt of a JSONL file, written batch by batch and resumable."""
+per prompt of a JSONL file, written batch by batch and resumable (jspec.jsonl.RecordWriter says
+what happens to the files). Each record carries `prompt_sha256` (`prompt_digest`), so that a
+resume refuses records whose prompt was edited since."""
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 import json
 import sys
@@ -28,6 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", metavar="OUT.jsonl", help="where the records go (required with --prompts)")
     p.add_argument("--resume", action="store_true",
                    help="keep the records of an interrupted run (OUT.partial) and do only the rest")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT even when it is not an earlier output of jspec (a file of records)")
     add_model_options(p)
     add_generation_options(p)
     g = p.add_argument_group("multi-process (every process runs the same command; docs/multihost.md)")
@@ -44,8 +49,8 @@ def run(args: argparse.Namespace) -> int:
     if args.prompts is None:
         if args.prompt is None:
             raise UsageError("give a PROMPT or --prompts IN.jsonl (see jspec generate --help)")
-        if args.output is not None or args.resume:
-            raise UsageError("--output and --resume go with --prompts IN.jsonl")
+        if args.output is not None or args.resume or args.overwrite:
+            raise UsageError("--output, --resume and --overwrite go with --prompts IN.jsonl")
         if not args.prompt.strip():
             raise JspecError("the prompt is empty")
     elif args.output is None:
@@ -97,29 +102,64 @@ def _rate(record: dict) -> str:
     return f"{tps:.1f} tokens/s" if tps is not None else "- tokens/s"
 
 
-def _generate_file(args: argparse.Namespace) -> int:
-    import numpy as np
-    from tqdm import tqdm
+def prompt_digest(prompt: dict) -> str:
+    """The first 16 hex digits of the sha256 of a prompt's text: the JSON of its "prompt",
+    "messages" or "token_ids" (keys sorted, no spaces, UTF-8), what its record's `prompt_sha256` holds."""
+    text = {k: prompt[k] for k in ("prompt", "messages", "token_ids") if k in prompt}
+    canonical = json.dumps(text, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
 
+
+def check_answered(answered: dict, prompts: list[dict], records_file, prompts_file) -> None:
+    """Refuse records (`answered`: id -> the `prompt_sha256` its record in `records_file` carries)
+    whose prompt in `prompts` has another digest now: it was edited after they were written.
+    Records of an older jspec, without one, pass."""
+    for p in prompts:
+        digest = answered.get(p["id"])
+        if digest is not None and digest != prompt_digest(p):
+            raise JspecError(f"prompt {json.dumps(p['id'])} of {prompts_file} was edited after {records_file} "
+                             "answered it; run without --resume to start over")
+
+
+def _generate_file(args: argparse.Namespace) -> int:
     from jspec import distributed
-    from jspec.jsonl import NoWriter, RecordWriter, read_prompts, read_records
+    from jspec.jsonl import NoWriter, RecordWriter, read_prompts
 
     prompts = read_prompts(args.prompts)
     distributed.check_same("prompts", json.dumps(prompts, sort_keys=True))
     # Process 0 alone writes (and resumes) the output; the others learn from it what is left.
     options = generation_options(args)
     settings = {"model": args.model, "dtype": args.dtype, "method": args.method, "chat": not args.no_chat, **options}
-    writer = (RecordWriter(args.output, resume=args.resume, settings=settings) if distributed.is_writer()
-              else NoWriter(args.output))
+    writer = (RecordWriter(args.output, resume=args.resume, settings=settings, overwrite=args.overwrite)
+              if distributed.is_writer() else NoWriter(args.output))
+    try:  # the writer holds the output until it is closed
+        return _write_records(args, prompts, options, writer)
+    finally:
+        writer.close()
+
+
+def _write_records(args: argparse.Namespace, prompts: list[dict], options: dict, writer) -> int:
+    import numpy as np
+    from tqdm import tqdm
+
+    from jspec import distributed
+    from jspec.jsonl import read_records
+
     ids = {p["id"] for p in prompts}
     stale = writer.done_ids - ids
     if stale:
         raise JspecError(f"{writer.partial} holds records of ids that {args.prompts} no longer has "
                          f"({', '.join(json.dumps(i) for i in sorted(stale, key=str)[:3])}); "
                          "run without --resume to start over")
-    if writer.complete and {r["id"] for r in read_records(args.output)} != ids:
-        raise JspecError(f"{args.output} is complete and holds other prompts than {args.prompts}; "
-                         "run without --resume to redo it, or give another --output")
+    if writer.prompt_digests:
+        check_answered(writer.prompt_digests, prompts, writer.partial, args.prompts)
+    if writer.complete:
+        answered = {r["id"]: r.get("prompt_sha256") for r in read_records(args.output)}
+        if set(answered) != ids:
+            raise JspecError(f"{args.output} is complete and holds other prompts than {args.prompts}; "
+                             "run without --resume to redo it, or give another --output")
+        check_answered(answered, prompts, args.output, args.prompts)
+    digests = {p["id"]: prompt_digest(p) for p in prompts}
     done = distributed.from_writer(np.asarray([writer.complete or p["id"] in writer.done_ids for p in prompts]))
     if done.all() and writer.complete:
         print(f"{args.output} is already complete; nothing to do (run without --resume to redo it)",
@@ -143,13 +183,12 @@ def _generate_file(args: argparse.Namespace) -> int:
                       dynamic_ncols=True) as bar:
                 records = iter(records)
                 while batch := list(itertools.islice(records, args.batch_size)):  # one decoding batch
-                    writer.write(batch)
+                    writer.write([{**r, "prompt_sha256": digests[r["id"]]} for r in batch])
                     bar.update(len(batch))
                     tokens += sum(r["new_tokens"] for r in batch)
                     seconds += batch[0]["seconds"]
         path = writer.finish(order=[p["id"] for p in prompts])
     except BaseException as e:
-        writer.close()
         if writer.count:
             e.jspec_hint = f"{writer.count} records kept in {writer.partial}; rerun with --resume to continue"
         raise

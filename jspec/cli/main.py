@@ -5,7 +5,10 @@ line.
 Every user or input error ends as one line, `jspec: error: ...`, on stderr, with exit status 2
 (1 for other I/O failures, 130 on Ctrl-C): no tracebacks. Cheap checks run before the model is
 loaded, so bad input fails in a second. Set JSPEC_DEBUG=1 to see the traceback anyway.
-`jspec compare` also exits 1 when the outputs differ, like `diff`.
+Anything else (running out of memory, or a bug: an exception jspec did not expect) also ends in
+one line, which names the exception and JSPEC_DEBUG=1, with exit status 1. In a multi-process run
+an error on one process ends every process, each with one line and that process's exit status
+(jspec.distributed.fail). `jspec compare` also exits 1 when the outputs differ, like `diff`.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ import argparse
 import logging
 import os
 import sys
+import traceback
 from typing import Sequence
 
+from jspec import distributed
 from jspec.cli import (bench, build_datastore, compare, convert, distill_data, env, fit_knn, generate, search_skip,
                        train_head, train_predictors)
 from jspec.cli.common import UsageError, one_line, with_hint
@@ -23,7 +28,7 @@ from jspec.errors import JspecError
 
 PROG = "jspec"
 EXIT_USAGE = 2
-EXIT_IO = 1
+EXIT_IO = 1  # and out of memory, and an unexpected exception
 EXIT_INTERRUPTED = 130
 # name -> the module with its add_arguments and run, in the order `jspec --help` lists them
 COMMANDS = {"generate": generate, "compare": compare, "convert": convert, "distill-data": distill_data,
@@ -64,6 +69,7 @@ class _OneLineHandler(logging.Handler):
 
 
 def _error(message: str, code: int) -> int:
+    distributed.fail(message, code)  # a process of a multi-process run ends here, and ends the others
     try:
         sys.stdout.flush()
     except OSError:
@@ -74,6 +80,7 @@ def _error(message: str, code: int) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (the `jspec` script exits with it)."""
+    whole_process = argv is None  # the `jspec` script, not a caller in a process of its own
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = bool(os.environ.get("JSPEC_DEBUG"))
     handler, log = _OneLineHandler(logging.WARNING), logging.getLogger("jspec")
@@ -82,10 +89,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.addHandler(handler)
     log.propagate = False
     try:
-        return _main(argv, debug)
+        code = _main(argv, debug)
     finally:
         log.removeHandler(handler)
         log.propagate = True
+    if code and whole_process and not debug:
+        # A library's work left pending by the error (orbax's other reads of a damaged checkpoint)
+        # may report itself as "Exception ignored in ..." tracebacks as the process ends: after the
+        # one line, nothing more is worth saying.
+        sys.unraisablehook = lambda unraisable: None
+    return code
 
 
 def _main(argv: list[str], debug: bool) -> int:
@@ -101,21 +114,33 @@ def _main(argv: list[str], debug: bool) -> int:
         return _error(str(e), EXIT_USAGE)
     except KeyboardInterrupt as e:
         return _error(with_hint("interrupted", e), EXIT_INTERRUPTED)
-    except JspecError as e:
-        if debug:
-            raise
-        return _error(one_line(e), EXIT_USAGE)
     except BrokenPipeError:  # `jspec generate ... | head`: the reader left, which is not an error to report
         try:  # and keep Python's exit-time flush of stdout from raising again
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         except (OSError, ValueError):
             pass
         return EXIT_IO
-    except OSError as e:
+    except Exception as e:
+        message, code = _describe(e)
         if debug:
+            if distributed.joined():  # raised on, it would leave the other processes waiting for this one
+                traceback.print_exc()
+                distributed.fail(message, code)
             raise
+        return _error(message, code)
+
+
+def _describe(e: Exception) -> tuple[str, int]:
+    """The one line an exception ends the command with, and the exit status."""
+    if isinstance(e, JspecError):
+        return one_line(e), EXIT_USAGE
+    if isinstance(e, OSError):
         user_path = isinstance(e, (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError))
-        return _error(_os_message(e), EXIT_USAGE if user_path else EXIT_IO)
+        return _os_message(e), EXIT_USAGE if user_path else EXIT_IO
+    if isinstance(e, MemoryError):
+        return with_hint("out of memory: give the command less to hold at once (a smaller model, batch or file), "
+                         "or free some", e), EXIT_IO
+    return f"{one_line(e)} (an unexpected error: {type(e).__name__}; set JSPEC_DEBUG=1 for the traceback)", EXIT_IO
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import shutil
 import socket
 from pathlib import Path
 
+from jspec import files
 from jspec.convert import store
 from jspec.errors import JspecError
 
@@ -69,16 +70,32 @@ def own_dtype(model: str | None) -> str:
 
 
 def _source(model: str | None) -> tuple[str, str]:
-    """(what to convert, its cache folder's name before the dtype) for a model not converted."""
+    """(what to convert, its cache folder's name before the dtype) for a model not converted. The
+    name carries a digest of what the source is now: a GGUF file's path, size and mtime; a Hugging
+    Face folder's path and each of its files' names, sizes and mtimes (a hub id: the snapshot the
+    local HF cache points it at). Weights rewritten in place, a new revision, a re-downloaded
+    tokenizer each make another name, so a conversion of what was there before is never reused."""
     if model is None:
-        return str(default_gguf()), DEFAULT_MODEL
+        src = str(default_gguf())
+        return src, f"{DEFAULT_MODEL}-{_digest(Path(src))}"
     local = Path(model).expanduser()
-    if local.exists():
-        src, stat = str(local.resolve()), local.stat()
-        key = f"{src}:{stat.st_mtime_ns}:{stat.st_size}"
-    else:
-        src = key = model  # a hub id: the HF cache decides what it points to
-    return src, f"{local.name or 'model'}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+    if model.endswith(".gguf") and not local.is_file():
+        raise JspecError(f"GGUF file {model!r} not found")
+    if local.is_file():
+        return str(local.resolve()), f"{local.name}-{_digest(local.resolve())}"
+    from jspec.convert.hf import resolve_hf_dir
+
+    folder = resolve_hf_dir(model).resolve()
+    src = str(local.resolve()) if local.exists() else model  # a hub id converts as itself
+    return src, f"{local.name or 'model'}-{_digest(folder, *sorted(p for p in folder.iterdir() if p.is_file()))}"
+
+
+def _digest(*paths: Path) -> str:
+    """A short digest of the paths and their files' sizes and mtimes (stat follows the HF cache's
+    symlinks to the blobs)."""
+    stamp = [(str(p) if i == 0 else p.name, *((p.stat().st_size, p.stat().st_mtime_ns) if p.is_file() else ()))
+             for i, p in enumerate(paths)]
+    return hashlib.sha1(repr(stamp).encode()).hexdigest()[:10]
 
 
 def resolve(model: str | None, dtype: str | None = None) -> Path:
@@ -88,7 +105,8 @@ def resolve(model: str | None, dtype: str | None = None) -> Path:
     Safe to call from many processes at once (the processes of a `jax.distributed` run, two runs
     on one machine): one converts while the others sharing its cache folder wait on a file lock,
     and a conversion is published by one rename, so a process on a disk that another host also
-    converts into keeps whichever finished first. Processes with their own disks each convert.
+    converts into keeps whichever finished first. Processes with their own disks each convert. A
+    cached folder of an older format, or a damaged one, is converted again and swapped in whole.
     """
     if model is not None and store.is_converted(model):
         return Path(model)
@@ -98,17 +116,20 @@ def resolve(model: str | None, dtype: str | None = None) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{out.name}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if store.is_converted(out) and not store.is_current(out):
-            shutil.rmtree(out)  # converted by an older jspec: the cache may simply be redone
-        if not store.is_converted(out):
+        if not store.is_converted(out) or not store.is_current(out):
+            # Converted by an older jspec (or damaged): redone, and swapped in whole, so a process
+            # still loading the old folder keeps its files.
             logging.getLogger("jspec").warning("converting %s into %s (once)", src, out)
             staging = out.parent / f".{out.name}.{socket.gethostname()}-{os.getpid()}"
             shutil.rmtree(staging, ignore_errors=True)
             store.convert(src, staging, dtype)
-            try:
-                staging.rename(out)
-            except OSError:  # another host published it first (a shared disk whose locks do not span hosts)
-                shutil.rmtree(staging)
-                if not store.is_converted(out):
-                    raise
+            if store.is_converted(out) and store.is_current(out):
+                shutil.rmtree(staging)  # another host published it first (a shared disk whose locks do not span hosts)
+            else:
+                try:
+                    files.publish(staging, out)
+                except OSError:  # the same, in the instant between the check and the rename
+                    shutil.rmtree(staging, ignore_errors=True)
+                    if not store.is_current(out):
+                        raise
     return out

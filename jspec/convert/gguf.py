@@ -9,25 +9,24 @@ Three things differ from a Hugging Face checkpoint, and are undone here:
 Shapes need no work: GGUF lists dimensions innermost first, and `gguf.GGUFReader` already
 reverses them, so a Linear weight arrives as HF's [out_features, in_features].
 
-The vocabulary is metadata too (`tokenizer.ggml.*`: tokens, merges or scores, token types,
-special token ids, the pre-tokenizer's name, the chat template); `read_tokenizer` builds the
-`tokenizers` pipeline it describes, as transformers' GGUF loader does.
+The vocabulary is metadata too; `jspec.convert.gguf_vocab.read_tokenizer` builds the `tokenizers`
+pipeline it describes. What a file holds is checked before it is used (`jspec.convert.gguf_checks`).
 """
 
 from __future__ import annotations
 
-import functools
-import logging
 import math
 import re
 from pathlib import Path
 
 import gguf
 import numpy as np
-from tokenizers import AddedToken, Regex, Tokenizer as Pipeline, decoders, models, pre_tokenizers, processors
 
+from jspec.convert.gguf_checks import Metadata, check_layout
+from jspec.convert.gguf_vocab import read_tokenizer
 from jspec.convert.tensors import Tensors
 from jspec.errors import JspecError
+from jspec.model.config import ModelConfig
 from jspec.tokenizer import Tokenizer
 
 # GGUF general.architecture -> (HF architectures entry, HF model_type).
@@ -61,21 +60,30 @@ _LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_m
 def read_gguf(path: str) -> tuple[dict, Tensors, Tokenizer | None]:
     """An HF-style config dict, HF-named tensors (HF orientation and row order, dequantized to
     float32 one at a time when read) and the tokenizer (None, with a warning, for a file without a
-    vocabulary jspec can build)."""
+    vocabulary jspec can build). A damaged or crafted file (truncated, counts or offsets past its
+    end, missing or mistyped metadata, tensors the config does not describe) is a JspecError
+    naming the file, raised before any tensor is read (`jspec.convert.gguf_checks`)."""
+    check_layout(path)
     try:
         reader = gguf.GGUFReader(path)
-    except FileNotFoundError:
-        raise JspecError(f"GGUF file '{path}' not found") from None
-    except ValueError as e:
-        raise JspecError(f"'{path}' is not a readable GGUF file: {e}") from None
-    arch = _field(reader, "general.architecture")
+    except Exception as e:  # noqa: BLE001 - whatever the reader still finds wrong in a file check_layout passed
+        raise JspecError(f"'{path}' is not a readable GGUF file: {str(e).strip()[:200] or type(e).__name__}") from None
+    meta = Metadata(reader, path)
+    arch = meta.require("general.architecture", "str")
     if arch not in _ARCHITECTURES:
         raise JspecError(f"GGUF architecture '{arch}' is not supported; jspec reads {', '.join(_ARCHITECTURES)}")
 
     found = {t.name: t for t in reader.tensors}
+    for kind in {t.tensor_type for t in found.values()}:
+        try:  # one block of zeros: whether gguf can dequantize this type at all
+            gguf.quants.dequantize(np.zeros((1, gguf.GGML_QUANT_SIZES[kind][1]), np.uint8), kind)
+        except NotImplementedError:
+            name = next(n for n, t in found.items() if t.tensor_type == kind)
+            raise JspecError(f"GGUF file '{path}': tensor {name} is {kind.name}, "
+                             "which jspec cannot dequantize") from None
     rope_freqs = found.pop(_ROPE_FREQS, None)
     shapes = {name: tuple(int(n) for n in reversed(t.shape)) for name, t in found.items()}
-    config = _read_config(reader, arch, shapes, None if rope_freqs is None else _dequantize(rope_freqs))
+    config = _read_config(meta, arch, shapes, None if rope_freqs is None else _dequantize(rope_freqs))
     heads = {".attn_q.": config["num_attention_heads"], ".attn_k.": config["num_key_value_heads"]}
 
     def reader_of(name: str, tensor: gguf.ReaderTensor):
@@ -86,6 +94,7 @@ def read_gguf(path: str) -> tuple[dict, Tensors, Tokenizer | None]:
 
     tensors = Tensors({_hf_name(name): reader_of(name, t) for name, t in found.items()},
                       {_hf_name(name): shape for name, shape in shapes.items()})
+    tensors.check(ModelConfig.from_hf(config, f"GGUF file '{path}'"), f"GGUF file '{path}'")
     return config, tensors, read_tokenizer(reader)
 
 
@@ -160,52 +169,53 @@ def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
     return values
 
 
-def _field(reader: gguf.GGUFReader, key: str, default=None):
-    field = reader.get_field(key)
-    return default if field is None else field.contents()
-
-
 def _float(value: float) -> float:
     """A float32 metadata value as the short decimal it was written from (1e-05, not 9.99999974e-06)."""
     return float(str(np.float32(value)))
 
 
-def _read_config(reader: gguf.GGUFReader, arch: str, shapes: dict[str, tuple[int, ...]],
+def _read_config(meta: Metadata, arch: str, shapes: dict[str, tuple[int, ...]],
                  rope_freqs: np.ndarray | None) -> dict:
     """The HF config.json fields jspec needs, from the `{arch}.*` and tokenizer metadata and the
     tensors' GGUF names and (HF-ordered) shapes."""
 
-    def meta(key: str, default=None):
-        return _field(reader, f"{arch}.{key}", default)
+    def need(key: str, kind: str = "int"):
+        return meta.require(f"{arch}.{key}", kind)
 
-    heads = meta("attention.head_count")
+    def get(key: str, kind: str = "int", default=None):
+        return meta.get(f"{arch}.{key}", kind, default)
+
+    if "token_embd.weight" not in shapes or len(shapes["token_embd.weight"]) != 2:
+        raise JspecError(f"GGUF file '{meta.path}' has no two-dimensional token_embd.weight (the embeddings)")
+    heads = need("attention.head_count")
     hf_arch, model_type = _ARCHITECTURES[arch]
     config = {
         "architectures": [hf_arch],
         "model_type": model_type,
-        "hidden_size": meta("embedding_length"),
-        "intermediate_size": meta("feed_forward_length"),
-        "num_hidden_layers": meta("block_count"),
+        "hidden_size": need("embedding_length"),
+        "intermediate_size": need("feed_forward_length"),
+        "num_hidden_layers": need("block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": meta("attention.head_count_kv", heads),
-        "rms_norm_eps": _float(meta("attention.layer_norm_rms_epsilon")),
-        "rope_theta": _float(meta("rope.freq_base", 10000.0)),
-        "max_position_embeddings": meta("context_length"),
+        "num_key_value_heads": get("attention.head_count_kv", default=heads),
+        "rms_norm_eps": _float(need("attention.layer_norm_rms_epsilon", "float")),
+        "rope_theta": _float(get("rope.freq_base", "float", 10000.0)),
+        "max_position_embeddings": need("context_length"),
         "vocab_size": shapes["token_embd.weight"][0],
         "tie_word_embeddings": "output.weight" not in shapes,
         "attention_bias": "blk.0.attn_q.bias" in shapes,
     }
-    if meta("attention.key_length") is not None:
-        config["head_dim"] = meta("attention.key_length")
+    if get("attention.key_length") is not None:
+        config["head_dim"] = get("attention.key_length")
     for key in ("bos_token_id", "eos_token_id"):
-        token = _field(reader, f"tokenizer.ggml.{key}")
+        token = meta.get(f"tokenizer.ggml.{key}", "int")
         if token is not None:
             config[key] = token
-    scaling_type = meta("rope.scaling.type")
+    scaling_type = get("rope.scaling.type", "str")
     if scaling_type not in (None, "none"):
         # Passed on as found; the model config decides whether it can honour it.
-        config["rope_scaling"] = {"rope_type": scaling_type, "factor": _float(meta("rope.scaling.factor", 1.0))}
+        config["rope_scaling"] = {"rope_type": scaling_type, "factor": _float(get("rope.scaling.factor", "float", 1.0))}
     if rope_freqs is not None:
+        ModelConfig.from_hf(config, f"GGUF file '{meta.path}'")  # sizes sound before the rope uses them
         config["rope_scaling"] = _llama3_scaling(config, rope_freqs)
     return config
 
@@ -273,145 +283,3 @@ def _gguf_name(name: str) -> str:
     if match and match[1] in _HF_GLOBAL:
         return f"{_HF_GLOBAL[match[1]]}.{match[2]}"
     raise JspecError(f"cannot export tensor '{name}' to GGUF; it is not part of a llama/mistral/qwen2 model")
-
-
-# -- the tokenizer ---------------------------------------------------------------------------------
-
-_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types (1 normal, 2 unknown, 6 byte)
-_SPECIAL_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
-                "pad_token": "padding_token_id"}
-# How byte-level vocabularies split text before BPE, by `tokenizer.ggml.pre` (llama.cpp's names).
-# GPT-2's own split is also what files that name none get.
-_GPT2_SPLITS = {"default", "gpt-2", "gpt2", "mpt", "olmo"}
-# StarCoder's family puts every digit on its own first (SmolLM2's tokenizer.json: a Digits
-# pre-tokenizer), then splits as GPT-2 does. transformers' GGUF loader misses this and lets
-# whitespace before a digit split differently ("\n\n1": two newline tokens instead of one).
-_DIGITS_FIRST = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_REGEX_SPLITS = {
-    **dict.fromkeys(("llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral", "dbrx", "smaug-bpe"), _LLAMA3_SPLIT),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
-    "tekken": _TEKKEN_SPLIT,
-}
-
-
-def read_tokenizer(reader: gguf.GGUFReader) -> Tokenizer | None:
-    """The tokenizer a GGUF's metadata describes: byte-level BPE ("gpt2": Llama 3, Qwen2, SmolLM2)
-    or SentencePiece BPE with byte fallback ("llama": Llama 2, Mistral). Other kinds, and files
-    without a vocabulary, give None and a warning: the model then takes and gives token ids."""
-    log = logging.getLogger("jspec")
-    kind = _field(reader, "tokenizer.ggml.model")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    if kind is None or not tokens:
-        log.warning("%s has no vocabulary: token ids only", getattr(reader.data, "filename", "the GGUF file"))
-        return None
-    if kind not in ("gpt2", "llama"):
-        log.warning("GGUF tokenizer '%s' is not supported (jspec builds gpt2 and llama): token ids only", kind)
-        return None
-    types = _field(reader, "tokenizer.ggml.token_type") or []
-    merges = _field(reader, "tokenizer.ggml.merges")
-    if kind == "gpt2":
-        pipeline = _byte_level_bpe(tokens, merges, _field(reader, "tokenizer.ggml.pre"))
-    else:
-        add_prefix = _field(reader, "tokenizer.ggml.add_space_prefix", True)
-        pipeline = _sentencepiece_bpe(tokens, merges, _field(reader, "tokenizer.ggml.scores"), add_prefix)
-
-    # Control tokens (<|im_end|>) are special, user-defined ones (<think>) plain added tokens: both
-    # are matched whole in text. A "control" token outside the byte alphabet of a byte-level
-    # vocabulary is a llama.cpp mislabel, not a token the model knows.
-    spelled = set(_byte_alphabet().values()) if kind == "gpt2" else None
-    pipeline.add_special_tokens([AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types)
-                                 if k == _CONTROL and (spelled is None or set(t) <= spelled)])
-    vocab = pipeline.get_vocab()
-    pipeline.add_tokens([AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types)
-                         if k == _USER_DEFINED and t in vocab])
-    special = {name: tokens[i] for name, key in _SPECIAL_IDS.items()
-               if (i := _field(reader, f"tokenizer.ggml.{key}")) is not None}
-    pipeline.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in special.values()])
-
-    # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise.
-    add_bos = _field(reader, "tokenizer.ggml.add_bos_token", kind == "llama") and "bos_token" in special
-    add_eos = _field(reader, "tokenizer.ggml.add_eos_token", False) and "eos_token" in special
-    pipeline.post_processor = _wrapping(special.get("bos_token") if add_bos else None,
-                                        special.get("eos_token") if add_eos else None, pipeline)
-    return Tokenizer(pipeline, special, _field(reader, "tokenizer.chat_template"))
-
-
-def _wrapping(bos: str | None, eos: str | None, pipeline: Pipeline) -> processors.TemplateProcessing:
-    """What `encode(..., add_special_tokens=True)` puts around text: BOS before, EOS after, if set."""
-    def part(sequence: str, type_id: int) -> list[str]:
-        return [f"{bos}:{type_id}"] * bool(bos) + [f"{sequence}:{type_id}"] + [f"{eos}:{type_id}"] * bool(eos)
-
-    ids = {t: pipeline.token_to_id(t) for t in (bos, eos) if t}
-    return processors.TemplateProcessing(single=part("$A", 0), pair=part("$A", 0) + part("$B", 1),
-                                         special_tokens=list(ids.items()))
-
-
-def _byte_level_bpe(tokens: list[str], merges: list[str] | None, pre: str | None) -> Pipeline:
-    alphabet = _byte_alphabet()
-    spelled = set(alphabet.values())
-    # Tokens outside the byte alphabet (a few files keep raw spaces) are respelled in it.
-    vocab = {t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode("utf-8")): i
-             for i, t in enumerate(tokens)}
-    pairs = [tuple(m.split(" ")) for m in merges or ()]
-    pipeline = Pipeline(models.BPE(vocab, pairs, dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
-                                   fuse_unk=False))
-    if pre in _REGEX_SPLITS:
-        pipeline.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_REGEX_SPLITS[pre]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    elif pre in _DIGITS_FIRST:
-        pipeline.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    else:
-        if pre is not None and pre not in _GPT2_SPLITS:
-            logging.getLogger("jspec").warning(
-                "GGUF pre-tokenizer '%s' is unknown to jspec; splitting text as GPT-2 does, which may "
-                "tokenize some text differently from the model's own tokenizer", pre)
-        pipeline.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    pipeline.decoder = decoders.ByteLevel()
-    return pipeline
-
-
-def _sentencepiece_bpe(tokens: list[str], merges: list[str] | None, scores: list[float] | None,
-                       add_prefix: bool) -> Pipeline:
-    """SentencePiece BPE as Hugging Face's Llama tokenizer rebuilds it: "▁" for spaces (one
-    prepended to the text), byte tokens (<0x0A>) for characters outside the vocabulary."""
-    vocab = {t: i for i, t in enumerate(tokens)}
-    if merges:
-        pairs = [tuple(m.split(" ")) for m in merges]
-    else:  # llama.cpp's SentencePiece files keep scores, not merges
-        pairs = _merges_from_scores(tokens, scores or [0.0] * len(tokens))
-    pipeline = Pipeline(models.BPE(vocab, pairs, fuse_unk=True, byte_fallback=True, dropout=None))
-    prepend = "first" if add_prefix else "never"
-    pipeline.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=prepend, split=False)
-    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    pipeline.decoder = decoders.Sequence(steps + [decoders.Strip(content=" ", left=1)] * add_prefix)
-    return pipeline
-
-
-def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
-    """BPE merges that SentencePiece's scores imply (transformers' `generate_merges`): every split of a
-    token into two tokens, the best-scoring token first, then the longer left, then the longer right piece."""
-    vocab = {t: i for i, t in enumerate(tokens)}
-    merges = []
-    for piece, score in dict(zip(tokens, scores)).items():
-        splits = [(piece[:k], piece[k:], score) for k in range(1, len(piece))
-                  if piece[:k] in vocab and piece[k:] in vocab]
-        merges += sorted(splits, key=lambda m: (vocab[m[0]], vocab[m[1]]))
-    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)  # stable: ties keep their order
-    return [(left, right) for left, right, _ in merges]
-
-
-@functools.cache
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's printable spelling of the 256 byte values (space is "Ġ", newline "Ċ")."""
-    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    moved = [b for b in range(256) if b not in kept]
-    return {**{b: chr(b) for b in kept}, **{b: chr(256 + n) for n, b in enumerate(moved)}}

@@ -18,7 +18,9 @@ conversion never leaves something that looks like a checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
 import subprocess
@@ -30,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.errors import JspecError
+from jspec.errors import JspecError, first_line
 from jspec.files import write_text, writing_folder
 from jspec.model import layout
 from jspec.model.config import ModelConfig
@@ -53,7 +55,12 @@ def is_converted(path: str | os.PathLike) -> bool:
 
 
 def is_current(path: str | os.PathLike) -> bool:
-    return json.loads((Path(path) / META).read_text()).get("format") == FORMAT
+    """Whether `path` is a converted folder this jspec reads (not an older format, not damaged)."""
+    try:
+        read_meta(path)
+    except JspecError:
+        return False
+    return True
 
 
 def _read_source(src: str) -> tuple[dict, Mapping[str, np.ndarray], Tokenizer | None, str]:
@@ -63,10 +70,10 @@ def _read_source(src: str) -> tuple[dict, Mapping[str, np.ndarray], Tokenizer | 
         from jspec.convert.gguf import read_gguf
 
         return (*read_gguf(src), "float32")  # dequantized values are exact in float32 only
-    from jspec.convert.hf import read_hf, resolve_hf_dir, source_dtype
+    from jspec.convert.hf import read_config, read_hf, resolve_hf_dir, source_dtype
 
     folder = resolve_hf_dir(src)
-    ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))  # refuse early, before the weights
+    ModelConfig.from_hf(read_config(folder), str(folder / "config.json"))  # refuse early, before the weights
     hf_config, tensors = read_hf(str(folder))
     return hf_config, tensors, Tokenizer.load(folder), source_dtype(hf_config)
 
@@ -202,13 +209,72 @@ def restore(path: Path, target, shardings=None):
     return ocp.StandardCheckpointer().restore(Path(path).absolute(), abstract)
 
 
+@contextlib.contextmanager
+def reading(where: Path):
+    """Run a reader of the file or folder `where` (orbax, tensorstore, numpy): whatever it raises
+    on a damaged or crafted file, an undocumented range of types (ValueError, KeyError, zipfile's
+    BadZipFile, tensorstore's errors...), becomes one line naming `where`. Orbax's own log (absl)
+    is held back meanwhile: where it cannot read a checkpoint it logs a warning before failing,
+    a second line beside the one that says so."""
+    absl, silent = logging.getLogger("absl"), lambda record: False
+    absl.addFilter(silent)
+    try:
+        yield
+    except JspecError:
+        raise
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        while e.__cause__ is not None:  # orbax wraps tensorstore's error, which says what is wrong
+            e = e.__cause__
+        raise JspecError(f"{where} is damaged or unreadable ({type(e).__name__}: {first_line(e)})") from None
+    finally:
+        absl.removeFilter(silent)
+
+
 def saved_tree(path: Path):
-    """The tree of jax.ShapeDtypeStructs an orbax checkpoint holds (from its metadata), for a
-    `restore` target whose shapes are not known in advance (a head's draft vocabulary)."""
+    """The arrays (jax.ShapeDtypeStructs) the orbax checkpoint `path` holds, from its metadata,
+    for checking before any is read (a head's draft vocabulary, say); refused in one line where
+    the metadata is damaged or missing (orbax then reports no metadata at all rather than an error)."""
     import orbax.checkpoint as ocp
 
-    tree = ocp.StandardCheckpointer().metadata(Path(path).absolute()).item_metadata.tree
-    return jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree)
+    with reading(path):
+        meta = ocp.StandardCheckpointer().metadata(path.absolute()).item_metadata
+        if meta is None:
+            raise JspecError(f"{path} is damaged or not an orbax checkpoint: its metadata cannot be read")
+        return jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), meta.tree)
+
+
+def named_leaves(tree) -> dict[str, object]:
+    """Each leaf of `tree` under its slash-separated name ("layers/0/wqkv")."""
+    name = lambda key: str(getattr(key, "key", getattr(key, "idx", key)))  # noqa: E731
+    return {"/".join(map(name, path)): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+@jax.jit
+def _all_finite(x):
+    return jnp.all(jnp.isfinite(x))
+
+
+def _finite(x) -> bool:
+    """Whether the array `x` (NumPy, or jax on any devices) holds only finite numbers: on a CPU,
+    NumPy over each shard this process holds, in place (a tenth of the time of compiling a program
+    for each shape); elsewhere a small program run where the array lives."""
+    if not isinstance(x, jax.Array):
+        return bool(np.isfinite(x).all())
+    if all(d.platform == "cpu" for d in x.devices()):
+        return all(bool(np.isfinite(np.asarray(shard.data)).all()) for shard in x.addressable_shards)
+    return bool(_all_finite(x))
+
+
+def check_finite(tree, where: Path) -> None:
+    """Refuse float arrays (NumPy or jax, on any devices) that hold a NaN or an infinity, naming
+    `where` and the arrays: such weights decode without a word, one token over and over."""
+    floats = {k: x for k, x in named_leaves(tree).items() if jnp.issubdtype(x.dtype, jnp.floating)}
+    # One at a time: programs with collectives in flight together can deadlock XLA:CPU's
+    # in-process all-reduce on a mesh (each waits for threads the other holds).
+    bad = [k for k, x in floats.items() if not _finite(x)]
+    if bad:
+        raise JspecError(f"{where} holds non-finite numbers (NaN or infinity) in {', '.join(bad[:3])}"
+                         f"{' ...' if len(bad) > 3 else ''}")
 
 
 def load(path: str | os.PathLike, dtype: str | None = None, shardings=None):
@@ -216,8 +282,9 @@ def load(path: str | os.PathLike, dtype: str | None = None, shardings=None):
 
     `dtype` casts on load (e.g. a float32 checkpoint run in bfloat16); `shardings`, a pytree of
     `jax.sharding.Sharding` matching the parameters, places each array directly where it lives
-    (None: on the default device). Piece by piece: each piece is read, placed and cast before
-    the next is read.
+    (None: on the default device). Piece by piece: each piece is read, placed, checked to hold
+    only finite numbers and cast before the next is read. A damaged folder, or one whose weights
+    hold a NaN or an infinity, is refused in one line.
     """
     path = Path(path).absolute()
     cfg, meta = read_meta(path)
@@ -228,7 +295,10 @@ def load(path: str | os.PathLike, dtype: str | None = None, shardings=None):
     params = {"layers": []}
     for name, part in pieces(cfg, meta["layers_per_piece"]):
         placed = None if shardings is None else _part(shardings, part)
-        restored = jax.tree.map(cast, restore(path / "params" / name, _part(target, part), placed))
+        with reading(path / "params" / name):
+            restored = restore(path / "params" / name, _part(target, part), placed)
+        check_finite(restored, path / "params" / name)
+        restored = jax.tree.map(cast, restored)
         if isinstance(part, tuple):
             params.update(restored)
         else:
@@ -237,8 +307,22 @@ def load(path: str | os.PathLike, dtype: str | None = None, shardings=None):
 
 
 def read_meta(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
-    """The ModelConfig and metadata of a converted checkpoint, refusing other format versions."""
-    meta = json.loads((Path(path) / META).read_text())
+    """The ModelConfig and metadata of a converted checkpoint, refusing another format version and,
+    in one line, a damaged or crafted jspec.json."""
+    where = Path(path) / META
+    try:
+        meta = json.loads(where.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise JspecError(f"{where} is unreadable ({first_line(e)}); convert the model again") from None
+    if not isinstance(meta, dict):
+        raise JspecError(f"{where} is not a JSON object; convert the model again")
     if meta.get("format") != FORMAT:
         raise JspecError(f"{path} was written by another jspec version (format {meta.get('format')}); convert again")
-    return ModelConfig.from_json(meta["config"]), meta
+    if meta.get("dtype") not in DTYPES:
+        raise JspecError(f"{where}: dtype {meta.get('dtype')!r} is not one of {', '.join(DTYPES)}")
+    per_piece = meta.get("layers_per_piece")
+    if type(per_piece) is not int or per_piece < 1:
+        raise JspecError(f"{where}: layers_per_piece must be a whole number >= 1, got {per_piece!r}")
+    if not isinstance(meta.get("config"), dict):
+        raise JspecError(f"{where} has no model config; convert the model again")
+    return ModelConfig.from_json(meta["config"], str(where)), meta

@@ -151,6 +151,9 @@ def generate(params, dparams, cache: decoder.KVCache, tokens, packing: decoder.P
     idx = prompt_lens[:, None] + jnp.arange(max_new_tokens)[None, :]
     out = jnp.take_along_axis(s.seq, jnp.minimum(idx, cache.length - 1), axis=1)
     out = jnp.where(jnp.arange(max_new_tokens)[None, :] < s.n[:, None], out, -1)
-    stats = {"new_tokens": s.n, "rounds": s.rounds, "drafted": s.drafted, "accepted": s.accepted,
+    # "finite": whether each row's first logits were all finite numbers (NaN weights decode one
+    # token over and over, without a word otherwise).
+    stats = {"new_tokens": s.n, "finite": jnp.isfinite(first_logits).all(axis=-1), "rounds": s.rounds,
+             "drafted": s.drafted, "accepted": s.accepted,
              **drafter.stats(s.dstate), **(dict(zip(("top_ids", "top_logprobs"), s.top)) if logprobs else {})}
     return out, stats, s.cache

@@ -12,6 +12,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from jspec.errors import JspecError
 from jspec.model.config import ModelConfig
 
 Params = dict
@@ -70,7 +71,7 @@ def interleave_gate_up(w):
 def _getter(tensors: Mapping[str, np.ndarray]):
     def get(name: str) -> np.ndarray:
         if name not in tensors:
-            raise KeyError(f"checkpoint has no tensor {name!r}")
+            raise JspecError(f"the checkpoint has no tensor {name!r}")
         return np.asarray(tensors[name])
 
     return get

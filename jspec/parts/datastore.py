@@ -122,19 +122,30 @@ def guess(table, seq: jax.Array, end: jax.Array):
 
 def save(path: str | os.PathLike, table: dict[str, np.ndarray], meta: dict) -> Path:
     with folder.writing(path, FOLDER, meta) as tmp:
-        np.savez_compressed(tmp / "table.npz", **table)
+        folder.save_npz(tmp / "table.npz", compressed=True, **table)
     return Path(path).absolute()
 
 
 def load(path: str | os.PathLike, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """The table of a datastore folder, refused unless it was built for a model like `cfg`."""
+    """The table of a datastore folder, refused unless it was built for a model like `cfg` and is
+    a table a lookup can search: at least one entry, the three arrays of one length and of the
+    shapes and dtypes above, token ids of this model, each hash its key's, in ascending order."""
     path = Path(path)
     meta = folder.read_meta(path, FOLDER)
-    folder.check_model(meta["model"], cfg, f"datastore {path} was built")
-    with np.load(path / "table.npz") as z:
-        table = {name: z[name] for name in ("ngram_keys", "ngram_hash", "ngram_next")}
-    if table["ngram_keys"].max() >= cfg.vocab_size:
+    folder.check_model(folder.require(meta, "model", dict, path / FOLDER.marker), cfg, f"datastore {path} was built")
+    where = path / "table.npz"
+    table = folder.read_npz(where, ("ngram_keys", "ngram_hash", "ngram_next"))
+    entries = table["ngram_next"].shape[0] if table["ngram_next"].ndim == 1 else 0
+    folder.check_arrays(table, {"ngram_keys": jax.ShapeDtypeStruct((entries, ORDER), jnp.int32),
+                                "ngram_hash": jax.ShapeDtypeStruct((entries,), jnp.int32),
+                                "ngram_next": jax.ShapeDtypeStruct((entries,), jnp.int32)}, where)
+    keys, hashes, nexts = table["ngram_keys"], table["ngram_hash"], table["ngram_next"]
+    if not entries:
+        raise JspecError(f"datastore {path} holds no entries (build it again from more answers)")
+    if keys.min() < -1 or keys.max() >= cfg.vocab_size or nexts.min() < 0 or nexts.max() >= cfg.vocab_size:
         raise JspecError(f"datastore {path} holds token ids beyond this model's vocabulary ({cfg.vocab_size})")
+    if not (np.array_equal(hashes, key_hash(keys)) and np.all(hashes[1:] >= hashes[:-1])):
+        raise JspecError(f"{where} is damaged: its ngram_hash is not its keys' hashes in ascending order")
     return table
 
 

@@ -26,7 +26,8 @@ position per draft step; like the target's cache, stale entries past a row's pos
 masked, never copied.
 
 A saved head is a folder: head.json (kind, exit layer, the model it was trained for, training
-summary) and params/ (orbax). `load` refuses a head whose model does not match, reads the
+summary) and params/ (orbax). `load` refuses a head whose model does not match, or whose folder
+holds other arrays than such a head's (`saved_arrays`) or non-finite weights, reads the
 one-layer heads of format 2 (params `layer`, not `layers`) as they are, and interleaves the
 w_gate_up rows of heads of formats 2 and 3, saved gate rows then up rows, as the model's now are
 (jspec.model.layout.gate_up).
@@ -190,11 +191,40 @@ def save(path: str | os.PathLike, hp: dict, meta: dict) -> Path:
 
 
 def read_meta(path: str | os.PathLike) -> dict:
-    return folder.read_meta(path, FOLDER)
+    """The marker of the head at `path`, refused in one line unless it is a head's: its kind one of
+    KINDS, its exit layer an integer, its model an object."""
+    meta = folder.read_meta(path, FOLDER)
+    where = Path(path) / FOLDER.marker
+    if folder.require(meta, "kind", str, where) not in KINDS:
+        raise JspecError(f"{where} is damaged: its 'kind' must be one of {', '.join(KINDS)}, not {meta['kind'][:40]!r}")
+    folder.require(meta, "exit_layer", int, where)
+    folder.require(meta, "model", dict, where)
+    return meta
+
+
+def saved_arrays(cfg: ModelConfig, meta: dict, saved) -> dict:
+    """The arrays (jax.ShapeDtypeStructs) a head of `meta`'s kind and format holds for a model like
+    `cfg`, with as many layers and as long a vocabulary as `saved` (its checkpoint's tree) has:
+    each layer the target's sublayers of its kind, in float32, and vocab int32."""
+    shapes = layout.param_shapes(cfg)["layers"][0]
+    names = _ATTENTION + (_MLP if meta["kind"] != "kangaroo" else ())
+    layer = {k: jax.ShapeDtypeStruct(shapes[k], jnp.float32) for k in names if k in shapes}
+    saved = saved if isinstance(saved, dict) else {}
+    vocab = saved.get("vocab")
+    length = vocab.shape[0] if getattr(vocab, "shape", None) and len(vocab.shape) == 1 else 1
+    depth = len(saved["layers"]) if isinstance(saved.get("layers"), list) and saved["layers"] else 1
+    D = cfg.hidden_size
+    want = {"layer": layer} if meta["format"] == 2 else {"layers": [layer] * depth}
+    want.update(norm=jax.ShapeDtypeStruct((D,), jnp.float32), vocab=jax.ShapeDtypeStruct((length,), jnp.int32))
+    if meta["kind"] == "eagle":
+        want["fuse"] = jax.ShapeDtypeStruct((D, 2 * D), jnp.float32)
+    return want
 
 
 def load(path: str | os.PathLike, cfg: ModelConfig, mesh: Mesh | None = None) -> tuple[dict, dict]:
-    """(head params, meta) of a saved head, refused unless it was trained for a model like `cfg`.
+    """(head params, meta) of a saved head, refused unless it was trained for a model like `cfg`
+    and holds what such a head holds: the arrays `saved_arrays` names, a layer count its exit layer
+    allows, a draft vocabulary of this model's token ids, finite weights.
 
     The parameters land where the model lives: split over `mesh` by RULES when the model is
     sharded, on the default device otherwise, whatever devices the head was saved from. A head of
@@ -204,12 +234,26 @@ def load(path: str | os.PathLike, cfg: ModelConfig, mesh: Mesh | None = None) ->
     path = Path(path).absolute()
     meta = read_meta(path)
     folder.check_model(meta["model"], cfg, f"head {path} was trained")
-    if meta["exit_layer"] not in exit_layers(meta["kind"], cfg):
-        raise JspecError(f"head {path} exits at layer {meta['exit_layer']}, outside this model's layers")
+    kind, exit_layer = meta["kind"], meta["exit_layer"]
+    if exit_layer not in exit_layers(kind, cfg):
+        raise JspecError(f"head {path} exits at layer {exit_layer}, outside this model's layers")
     target = store.saved_tree(path / "params")
+    folder.check_arrays(target, saved_arrays(cfg, meta, target), path / "params")
+    depth = 1 if meta["format"] == 2 else len(target["layers"])
+    most = cfg.num_layers - (0 if kind == "eagle" else exit_layer)
+    if depth > most:
+        raise JspecError(f"head {path} has {depth} layers; a {kind} head exiting at layer {exit_layer} has at "
+                         f"most {most}")
+    if not 1 <= target["vocab"].shape[0] <= cfg.vocab_size:
+        raise JspecError(f"head {path} has a draft vocabulary of {target['vocab'].shape[0]} tokens; this model has "
+                         f"{cfg.vocab_size}")
     old = meta["format"] < GATE_UP_INTERLEAVED
     shardings = sharding.shardings(target, mesh, RULES) if mesh is not None and not old else None
-    hp = store.restore(path / "params", target, shardings)
+    with store.reading(path / "params"):
+        hp = store.restore(path / "params", target, shardings)
+    store.check_finite(hp, path / "params")
+    if not bool(jnp.all((hp["vocab"] >= 0) & (hp["vocab"] < cfg.vocab_size))):
+        raise JspecError(f"head {path} has draft-vocabulary ids outside this model's 0..{cfg.vocab_size - 1}")
     if meta["format"] == 2:
         hp = {"layers": [hp.pop("layer")], **hp}
     if old:

@@ -3,11 +3,13 @@
 A folder holds
     knn.json      format, the model it fits (heads.fingerprint), and per domain its name, skipped
                   attention and MLP layers, anchor count and how the set was found
-    anchors.npz   anchors [N, D] float32 (k-means centres of prompt features) and domain [N] int
+    anchors.npz   anchors [N, D] float32 (k-means centres of prompt features) and domain [N] int32
 
 Domains without anchors (a set searched on all domains pooled, say) are never chosen by the
 lookup; `--method knn-ssd:domain=NAME` runs any domain's set on every prompt.
-Reading a folder needs only numpy and jax; fitting anchors (jspec.training.fit_knn) needs scikit-learn.
+`load` checks the two files against each other and against the model knn.json names (its layers,
+its width, finite anchors) before anything uses them. Reading a folder needs only numpy and jax;
+fitting anchors (jspec.training.fit_knn) needs scikit-learn.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ import json
 import os
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jspec.convert import store
 from jspec.errors import JspecError
 from jspec.model import sharding
 from jspec.model.config import ModelConfig
@@ -55,18 +59,23 @@ class SkipSet:
         return {"name": self.name, "skip_attention": list(self.attention), "skip_mlp": list(self.mlp), **self.info}
 
     @classmethod
-    def from_json(cls, obj: dict) -> "SkipSet":
+    def from_json(cls, obj, where: Path) -> "SkipSet":
+        """The set `obj` describes, refused in one line naming `where` unless it has a name and
+        integer lists skip_attention and skip_mlp."""
+        name = folder.require(obj, "name", str, where)
+        attention = folder.require(obj, "skip_attention", list, where, items=int)
+        mlp = folder.require(obj, "skip_mlp", list, where, items=int)
         info = {k: v for k, v in obj.items() if k not in ("name", "skip_attention", "skip_mlp")}
-        return cls(obj["name"], tuple(obj["skip_attention"]), tuple(obj["skip_mlp"]), info)
+        return cls(name, tuple(attention), tuple(mlp), info)
 
 
 def read_set(path: str | os.PathLike) -> SkipSet:
     """The skip set of a jspec search-skip output file, refused in one line if it is not one."""
     try:
-        return SkipSet.from_json(json.loads(Path(path).read_text()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        raise JspecError(f"{path} is not a skip set of jspec search-skip (it needs name, skip_attention "
-                         "and skip_mlp)") from None
+        return SkipSet.from_json(json.loads(Path(path).read_text()), Path(path))
+    except (OSError, ValueError, JspecError):
+        raise JspecError(f"{path} is not a skip set of jspec search-skip (it needs a name and the layer lists "
+                         "skip_attention and skip_mlp)") from None
 
 
 @dataclasses.dataclass
@@ -98,24 +107,36 @@ def save(path: str | os.PathLike, knn: Knn) -> Path:
     if not len(knn.anchors):
         raise JspecError("a KNN-SSD folder needs at least one anchor")
     with folder.writing(path, FOLDER, {"model": knn.model, "sets": [s.to_json() for s in knn.sets]}) as tmp:
-        np.savez(tmp / "anchors.npz", anchors=knn.anchors.astype(np.float32),
-                 domain=knn.anchor_domain.astype(np.int32))
+        folder.save_npz(tmp / "anchors.npz", anchors=knn.anchors.astype(np.float32),
+                        domain=knn.anchor_domain.astype(np.int32))
     return Path(path).absolute()
 
 
 def load(path: str | os.PathLike) -> Knn:
+    """The folder at `path`, refused in one line unless knn.json names its model and at least one
+    set, each of that model's layers, and anchors.npz holds at least one finite anchor of the
+    model's width, each of a domain among the sets."""
     path = Path(path)
     meta = folder.read_meta(path, FOLDER)
-    try:
-        with np.load(path / "anchors.npz") as f:
-            anchors, domain = f["anchors"], f["domain"]
-    except (OSError, ValueError, KeyError) as e:
-        raise JspecError(f"{path}: unreadable KNN-SSD folder ({e})") from None
-    sets = [SkipSet.from_json(s) for s in meta["sets"]]
-    if anchors.ndim != 2 or domain.shape != anchors.shape[:1] or not len(anchors) \
-            or not np.all((0 <= domain) & (domain < len(sets))):
-        raise JspecError(f"{path}: anchors.npz does not match knn.json")
-    return Knn(meta["model"], sets, anchors.astype(np.float32), domain.astype(np.int32))
+    where = path / FOLDER.marker
+    model = folder.require(meta, "model", dict, where)
+    layers, width = folder.require(model, "num_layers", int, where), folder.require(model, "hidden_size", int, where)
+    sets = [SkipSet.from_json(s, where) for s in folder.require(meta, "sets", list, where)]
+    if not sets:
+        raise JspecError(f"{where} is damaged: it names no skip set")
+    for s in sets:
+        if any(not 0 <= i < layers for i in s.attention + s.mlp):
+            raise JspecError(f"{where} is damaged: skip set {s.name[:40]!r} names layers outside 0..{layers - 1}")
+    arrays = folder.read_npz(path / "anchors.npz", ("anchors", "domain"))
+    count = arrays["domain"].shape[0] if arrays["domain"].ndim == 1 else 0
+    folder.check_arrays(arrays, {"anchors": jax.ShapeDtypeStruct((count, width), jnp.float32),
+                                 "domain": jax.ShapeDtypeStruct((count,), jnp.int32)}, path / "anchors.npz")
+    anchors, domain = arrays["anchors"], arrays["domain"]
+    if not count or not np.all((0 <= domain) & (domain < len(sets))):
+        raise JspecError(f"{path / 'anchors.npz'} does not match knn.json: it needs at least one anchor, each of a "
+                         f"domain 0..{len(sets) - 1}")
+    store.check_finite(arrays, path / "anchors.npz")
+    return Knn(model, sets, anchors, domain)
 
 
 @folder.cached(FOLDER)

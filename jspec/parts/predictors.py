@@ -17,7 +17,8 @@ of even a 135M model), so the change is always against the previous depth, in tr
 decoding alike, whichever depths the schedule checks.
 
 A saved set is a folder: predictors.json (the model and head it was trained for, its depths,
-the offline schedule, training summary) and params/ (orbax). `load` refuses another model's.
+the offline schedule, training summary) and params/ (orbax). `load` refuses another model's, and
+a folder whose arrays are not one predictor per depth or hold non-finite numbers.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from jspec.convert import store
 from jspec.errors import JspecError
 from jspec.model import sharding
 from jspec.model.config import ModelConfig
-from jspec.parts import folder
+from jspec.parts import folder, heads
 
 CANDIDATES = 4
 FEATURES = 3 * CANDIDATES
@@ -81,19 +82,36 @@ def save(path: str | os.PathLike, pp: dict, meta: dict, head: str | os.PathLike)
     return Path(path).absolute()
 
 
-def load(path: str | os.PathLike, cfg: ModelConfig, mesh: Mesh | None = None) -> tuple[dict, dict]:
-    """(predictor params, meta), refused unless trained for a model like `cfg`; replicated over
-    `mesh` when given."""
-    path = Path(path).absolute()
+def read_meta(path: str | os.PathLike) -> dict:
+    """The marker of the predictors at `path`, refused in one line unless it is a set's: its model
+    and head objects (the head's kind one of heads.KINDS), its depths and schedule integer lists."""
     meta = folder.read_meta(path, FOLDER)
+    where = Path(path) / FOLDER.marker
+    folder.require(meta, "model", dict, where)
+    if folder.require(folder.require(meta, "head", dict, where), "kind", str, where) not in heads.KINDS:
+        raise JspecError(f"{where} is damaged: its head's 'kind' must be one of {', '.join(heads.KINDS)}")
+    folder.require(meta, "depths", list, where, items=int)
+    folder.require(meta, "schedule", list, where, items=int)
+    return meta
+
+
+def load(path: str | os.PathLike, cfg: ModelConfig, mesh: Mesh | None = None) -> tuple[dict, dict]:
+    """(predictor params, meta), refused unless trained for a model like `cfg`, over consecutive
+    depths inside it with a schedule among them, holding one predictor of the shapes of `init`
+    per depth, all finite; replicated over `mesh` when given."""
+    path = Path(path).absolute()
+    meta = read_meta(path)
     folder.check_model(meta["model"], cfg, f"predictors {path} were trained")
     depths = meta["depths"]
     if not depths or depths[0] < 1 or depths[-1] >= cfg.num_layers or depths != list(range(depths[0], depths[-1] + 1)):
         raise JspecError(f"predictors {path} cover depths {depths}, not consecutive depths inside this model")
+    if not set(meta["schedule"]) <= set(depths):
+        raise JspecError(f"predictors {path} schedule depths {meta['schedule']} outside the depths they cover")
     target = store.saved_tree(path / "params")
-    pp = store.restore(path / "params", target, None if mesh is None else sharding.shardings(target, mesh, RULES))
-    if pp["w1"].shape[0] != len(depths):
-        raise JspecError(f"predictors {path} hold {pp['w1'].shape[0]} predictors for {len(depths)} depths")
+    folder.check_arrays(target, jax.eval_shape(lambda: init(jax.random.key(0), len(depths))), path / "params")
+    with store.reading(path / "params"):
+        pp = store.restore(path / "params", target, None if mesh is None else sharding.shardings(target, mesh, RULES))
+    store.check_finite(pp, path / "params")
     return pp, meta
 
 

@@ -17,7 +17,8 @@ The teacher-forced kind (jspec.training.teacher_forced: one forward over existin
 the same arrays, prompt_lens being the first target position, plus prompt_key; `load` gives both
 kinds alike, with `prompt_key` (which prompt a row came from, for splitting by prompt).
 
-Shards are written whole (temporary name, then rename); a rerun skips the shards that exist,
+Shards and meta.json are written whole (a temporary name, fsynced, then renamed, never through a
+symbolic link); a rerun skips the shards that exist,
 so an interrupted run resumes losing at most one shard, and a rerun with a larger count extends
 the folder (the last shard of the smaller run answered again if it was short).
 """
@@ -34,6 +35,8 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
+from jspec import files
+from jspec.convert import store
 from jspec.engine.loop import top_logprobs
 from jspec.engine.sampling import Sampling
 from jspec.errors import JspecError
@@ -59,6 +62,10 @@ def make(lm, prompts: list[dict], out: str | os.PathLike, *, count: int = 512, m
         raise JspecError("--count, --max-new-tokens, --top-k, --shard-size and --batch-size must all be >= 1")
     if skip < 0:
         raise JspecError(f"--skip must be >= 0, got {skip}")
+    context = lm.cfg.max_position_embeddings
+    if not 1 <= max_prompt_tokens <= context - max_new_tokens:
+        raise JspecError(f"--max-prompt-tokens must be in 1..{context - max_new_tokens} (the model's context of "
+                         f"{context} less --max-new-tokens {max_new_tokens}), got {max_prompt_tokens}")
     Sampling(temperature)  # refuses a bad temperature before meta.json records it
     out = Path(out)
     meta = {"format": FORMAT, "model": lm.name, "prompts": source, "count": count, "max_prompt_tokens": max_prompt_tokens,
@@ -94,7 +101,7 @@ def check_or_write_meta(out: Path, meta: dict, grows: str | None = None) -> None
         old = read_meta(out)
         changed = [k for k in meta if old.get(k) != meta[k]] + [k for k in old if k not in meta]
         if changed == [grows] and meta[grows] > old[grows]:
-            path.write_text(json.dumps(meta, indent=1) + "\n")
+            files.write_text(path, json.dumps(meta, indent=1) + "\n")
         elif changed:
             said = ", ".join(f"{k} {old.get(k)!r} -> {meta.get(k)!r}" for k in changed)
             raise JspecError(f"{out} holds data made with other settings ({said}); use another folder")
@@ -102,7 +109,7 @@ def check_or_write_meta(out: Path, meta: dict, grows: str | None = None) -> None
     if out.exists() and any(out.iterdir()):
         raise JspecError(f"{out} exists, is not empty and holds no distillation data")
     out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(meta, indent=1) + "\n")
+    files.write_text(path, json.dumps(meta, indent=1) + "\n")
 
 
 def choose(lm, prompts, count, max_prompt_tokens, seed, skip=0):
@@ -152,10 +159,9 @@ def _write_shard(lm, requests, out, index, max_prompt, max_new, top_k, temperatu
 
 
 def write_npz(path: Path, **arrays) -> None:
-    """A whole shard or nothing: written under a temporary name, then renamed."""
-    tmp = path.with_name(path.stem + ".tmp.npz")
-    np.savez(tmp, **arrays)
-    tmp.rename(path)
+    """A whole shard or nothing (jspec.files.replacing)."""
+    with files.replacing(path) as f:
+        np.savez(f, **arrays)
 
 
 def pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
@@ -209,11 +215,17 @@ def load(path: str | os.PathLike) -> tuple[dict, dict]:
     """(meta, arrays concatenated over all shards, with prompt_key [N]) of a distillation folder."""
     path = Path(path)
     meta = read_meta(path)
-    files = sorted(path.glob("shard-*[0-9].npz"))
-    if not files:
+    shards = sorted(path.glob("shard-*[0-9].npz"))
+    if not shards:
         raise JspecError(f"{path} has no shards yet; run jspec distill-data first")
-    parts = [dict(np.load(f)) for f in files]
-    data = {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+    parts = []
+    for f in shards:
+        with store.reading(f), np.load(f, allow_pickle=False) as z:
+            parts.append(dict(z))
+        if parts[-1].keys() != parts[0].keys():
+            raise JspecError(f"{f} is damaged: it holds {sorted(parts[-1])}, {shards[0].name} {sorted(parts[0])}")
+    with store.reading(path):  # shards of other widths or dtypes than the others
+        data = {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
     if "prompt_key" not in data:  # the generating path's rows start with their prompt
         data["prompt_key"] = np.array([prompt_key(row[:p]) for row, p in zip(data["tokens"], data["prompt_lens"])],
                                       np.uint64)

@@ -22,6 +22,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jspec import files
 from jspec.errors import JspecError
 from jspec.parts import folder, knn
 from jspec.training.search_skip import domain_prompts
@@ -71,9 +72,8 @@ def cached_features(model, path: Path, s: knn.SkipSet, count: int, max_prompt_to
     requests = [r for r in model.requests(rows[:2 * count]) if len(r.token_ids) <= max_prompt_tokens]
     x = features(model, requests[:count])
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.npz")
-    np.savez(tmp, features=x, key=np.asarray(key))
-    tmp.replace(path)
+    with files.replacing(path) as f:
+        np.savez(f, features=x, key=np.asarray(key))
     return x
 
 
@@ -95,6 +95,9 @@ def fit(model, sets: list[knn.SkipSet], bare: set[str], features_dir: Path, out,
 
     for s in sets:
         s.mask(model.cfg.num_layers)  # refuses layers the model has not, before any feature is computed
+        if s.name not in bare and not isinstance(s.info.get("prompts"), str):
+            raise JspecError(f"skip set {s.name} names no prompts file (\"prompts\"), which its anchors are "
+                             "computed from: make it with jspec search-skip, or name it in --no-anchors")
     anchors, owner = [], []
     for d, s in enumerate(tqdm(sets, unit="domain", file=sys.stderr)):
         if s.name in bare:

@@ -13,9 +13,11 @@ is Optuna's TPE (optional extra `knn`), warm-started with SWIFT's starting point
 layer of the middle half) and, for the default model, the shipped layer-skip set: each as whole
 layers, attention only and MLP only.
 
-Every trial is appended (flushed) to OUT.trials.jsonl; rerunning the same command resumes from
-it: the logged trials are told to a new sampler and only the rest run. OUT is written when the
-last trial is done. Progress and the best set so far go to stderr.
+Every trial is appended (fsynced) to OUT.trials.jsonl, after its first line, the search's header
+(written whole: a temporary name, then renamed); rerunning the same command resumes from it: the
+logged trials are told to a new sampler and only the rest run, and a torn last line (a run killed
+while appending it) is cut off and its trial run again. OUT is written, whole, when the last
+trial is done. Progress and the best set so far go to stderr.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jspec import prompt_sets
+from jspec import files, prompt_sets
 from jspec.errors import JspecError
 from jspec.parts import folder, knn, shipped
 
@@ -194,25 +196,42 @@ class OptunaProposer:
         self.study.tell(self.trial, value)
 
 
-def read_log(log: Path) -> tuple[dict | None, list[dict]]:
-    """A trial log: its first line ({"search": header}; None when empty) and its trials."""
-    lines = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
-    return (lines[0] if lines else None), lines[1:]
+def read_log(log: Path) -> tuple[dict | None, list[dict], int]:
+    """A trial log: its first line ({"search": header}; None when it has none), its trials, and
+    the length of the lines they fill: a torn last line (a run killed while appending it) is left
+    out, for the search to cut off and run again. Any other damaged line is refused."""
+    lines = log.read_bytes().split(b"\n")
+    objects, keep = [], 0
+    for i, line in enumerate(lines[:-1]):  # the last piece has no newline: torn, or empty
+        keep += len(line) + 1
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            obj = None
+        if not isinstance(obj, dict) or (objects and not {"params", "objective"} <= obj.keys()):
+            if i == len(lines) - 2 and not lines[-1]:
+                keep -= len(line) + 1  # the last line is garbage (torn by a crash)
+                break
+            raise JspecError(f"{log} line {i + 1} is damaged; remove the log to search again")
+        objects.append(obj)
+    return (objects[0] if objects else None), objects[1:], keep
 
 
 def search(objective, proposer, variables: list[str], trials: int, log: Path, header: dict, report=None):
     """Run trials until the log holds `trials`; returns [(params, value, extra)] of all of them.
     The log's first line is `header`: a log from another search is refused, not mixed in."""
-    done = []
-    if log.exists():
-        first, rows = read_log(log)
-        if first != {"search": header}:
-            raise JspecError(f"{log} is the log of another search (other prompts, model or settings); "
-                             f"remove it or choose another --out")
-        done = [(t["params"], t["objective"], t) for t in rows]
-    else:
+    first, rows, keep = read_log(log) if log.exists() else (None, [], 0)
+    if first is None:  # a new log (or one whose header line was torn)
         log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text(json.dumps({"search": header}) + "\n")
+        files.write_text(log, json.dumps({"search": header}) + "\n")
+    elif first != {"search": header}:
+        raise JspecError(f"{log} is the log of another search (other prompts, model or settings); "
+                         f"remove it or choose another --out")
+    elif keep < log.stat().st_size:
+        os.truncate(log, keep)
+    done = [(t["params"], t["objective"], t) for t in rows]
     proposer.replay([(p, v) for p, v, _ in done])
     with open(log, "a") as f:
         for i in range(len(done), trials):
@@ -275,8 +294,7 @@ def search_set(model, prompts: list[dict], out: Path, name: str, *, source: str,
                   f"attention {list(s.attention)}, mlp {list(s.mlp)}", file=sys.stderr)
 
     start = time.perf_counter()
-    done_before = sum(1 for _ in open(log)) - 1 if log.exists() else 0
-    bar.update(max(done_before, 0))
+    bar.update(len(read_log(log)[1]) if log.exists() else 0)
     done = search(trial, proposer, variables, trials, log, header, report)
     bar.close()
     params, value, row = max(done, key=lambda d: d[1])
@@ -287,7 +305,5 @@ def search_set(model, prompts: list[dict], out: Path, name: str, *, source: str,
         "measured_tokens_per_second": row["measured_tokens_per_second"],
         "ar_tokens_per_second": row.get("ar_tokens_per_second"),
         "sampler": "optuna TPE", "seconds_this_run": round(time.perf_counter() - start, 1)}}
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps(best.to_json(), indent=1) + "\n")
-    tmp.replace(out)
+    files.write_text(out, json.dumps(best.to_json(), indent=1) + "\n")
     return best, value, row

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jspec import files
 from jspec.convert import store
 from jspec.errors import JspecError
 from jspec.model import decoder as M
@@ -245,7 +246,7 @@ def train(lm, data_dirs, out, recipe: Recipe, eval_dirs=(), progress: bool = Tru
         store.save_params(ckpt_dir / str(step), state)
         for old in saved_steps(ckpt_dir)[:-KEEP]:
             shutil.rmtree(ckpt_dir / str(old))
-        info_path.write_text(json.dumps({**info, "wall_seconds": seconds}))
+        files.write_text(info_path, json.dumps({**info, "wall_seconds": seconds}))  # whole, or the old one
 
     per_epoch = len(train_rows) // recipe.batch_size
 
@@ -323,7 +324,10 @@ def start_head(lm, recipe: Recipe) -> tuple[dict, dict]:
     if have[:2] != (recipe.kind, recipe.exit_layer) or have[2] > recipe.head_layers:
         raise JspecError(f"--init {recipe.init} is a head of kind {have[0]} at exit layer {have[1]} with {have[2]} "
                          "layer(s); ask for the same --kind and --exit-layer, and at least its --head-layers")
-    return heads.grow(lm.params, lm.cfg, recipe.kind, recipe.exit_layer, hp, recipe.head_layers), meta.get("training", {})
+    training = meta.get("training", {})
+    if not isinstance(training, dict):
+        raise JspecError(f"--init {recipe.init} is damaged: its head.json's \"training\" must be an object")
+    return heads.grow(lm.params, lm.cfg, recipe.kind, recipe.exit_layer, hp, recipe.head_layers), training
 
 
 def saved_steps(ckpt_dir: Path) -> list[int]:

@@ -22,7 +22,8 @@ import jspec.cli.env
 from jspec.convert import store
 from jspec.jsonl import RecordWriter, read_prompts, read_records
 
-FIELDS = {"id", "text", "token_ids", "new_tokens", "prompt_tokens", "seconds", "tokens_per_second", "stats"}
+FIELDS = {"id", "text", "token_ids", "new_tokens", "prompt_tokens", "seconds", "tokens_per_second", "stats",
+          "prompt_sha256"}
 TIMING = ("seconds", "tokens_per_second")
 GEN = ["--max-new-tokens", "4"]
 
@@ -141,7 +142,8 @@ def test_failure_mid_run_leaves_output_untouched(capsys, tiny, tmp_path, monkeyp
 
     out = tmp_path / "out.jsonl"
     partial = tmp_path / "out.jsonl.partial"
-    out.write_text("an earlier, complete output\n")
+    earlier = json.dumps({"id": "earlier", "token_ids": [1]}) + "\n"  # an earlier, complete output
+    out.write_text(earlier)
     stream = jspec.api.Model.stream
     seen = []
 
@@ -155,8 +157,8 @@ def test_failure_mid_run_leaves_output_untouched(capsys, tiny, tmp_path, monkeyp
     monkeypatch.setattr(jspec.api.Model, "stream", interrupted)
     code, _, err = run(capsys, "generate", "--prompts", prompts, "--output", out, "--model", tiny, *sampled)
     assert code == 130
-    assert seen == [("an earlier, complete output\n", 2)]  # OUT untouched while running
-    assert out.read_text() == "an earlier, complete output\n"
+    assert seen == [(earlier, 2)]  # OUT untouched while running
+    assert out.read_text() == earlier
     assert [r["id"] for r in read_jsonl(partial)] == first
     assert "Traceback" not in err
     line = err.splitlines()[-1]  # after the progress bar, if the first batch was slow enough to show it
@@ -186,7 +188,7 @@ def test_record_writer_drops_only_a_torn_last_line(tmp_path):
     assert read_jsonl(out) == [{"id": 0}, {"id": 1}, {"id": 2}]
     partial.write_text('{"id": 0}\nnot json\n{"id": 2}\n')
     with pytest.raises(jspec.JspecError, match="line 2 is corrupt"):
-        RecordWriter(out, resume=True)
+        RecordWriter(out, resume=True, overwrite=True)  # overwrite: these bare records are not an output's
 
 
 def test_record_writer_publishes_records_in_prompt_order(tmp_path):
@@ -402,3 +404,25 @@ def test_env_is_cheap(tmp_path):
     *lines, last = proc.stdout.splitlines()
     assert last == "0 []", proc.stderr
     assert _rows("\n".join(lines))["cache"] == f"{tmp_path / 'nothing-yet'} (not created yet)"
+
+
+@pytest.mark.parametrize("error, line", [
+    (RuntimeError("a bug\nin two lines"),
+     "a bug in two lines (an unexpected error: RuntimeError; set JSPEC_DEBUG=1 for the traceback)"),
+    (MemoryError(), "out of memory: give the command less to hold at once (a smaller model, batch or file), "
+                    "or free some"),
+], ids=["bug", "memory"])
+def test_an_unexpected_error_is_one_line(capsys, tmp_path, monkeypatch, error, line):
+    """The last-resort handler: an exception jspec did not expect ends in one line and status 1;
+    with JSPEC_DEBUG=1 it propagates, traceback and all."""
+    def read_prompts(path):
+        raise error
+
+    monkeypatch.setattr("jspec.jsonl.read_prompts", read_prompts)
+    argv = ["generate", "--prompts", write_lines(tmp_path / "in.jsonl", *PROMPTS), "--output", tmp_path / "out.jsonl"]
+    code, out, err = run(capsys, *argv)
+    assert (code, out, err) == (1, "", f"jspec: error: {line}\n")
+    assert not (tmp_path / "out.jsonl").exists()
+    monkeypatch.setenv("JSPEC_DEBUG", "1")
+    with pytest.raises(type(error)):
+        jspec.cli.main([str(a) for a in argv])

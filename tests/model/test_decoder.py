@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import FORMATS, KINDS, TINY, hf_config_class, hf_logits
 
-from jspec import batching, files
+from jspec import batching
 from jspec.convert import store
 from jspec.errors import JspecError
 from jspec.model import attention, decoder, layout
@@ -352,32 +352,6 @@ def test_llama3_rope_scaling_from_legacy_rope_scaling_key():
 
 
 # -- refusing what jspec cannot run ---------------------------------------------------------------
-
-def test_an_output_folder_replaces_only_an_output_of_its_kind(tmp_path):
-    """writing_folder replaces a folder only when it is absent, empty, or holds the same kind's
-    marker file: never a folder of anything else (once it took a whole checkout), never a file."""
-    def write(path, text):
-        with files.writing_folder(path, "kind.json") as tmp:
-            (tmp / "kind.json").write_text(text)
-
-    write(tmp_path / "new" / "out", "1")                       # absent, parents made
-    (tmp_path / "empty").mkdir()
-    write(tmp_path / "empty", "1")
-    write(tmp_path / "empty", "2")                              # an earlier output of its kind
-    assert (tmp_path / "empty" / "kind.json").read_text() == "2"
-
-    other = tmp_path / "other"
-    other.mkdir()
-    (other / "keep.txt").write_text("mine")
-    (tmp_path / "file").write_text("mine")
-    for path, phrase in [(other, "holds no earlier output of this command \\(no kind.json\\)"),
-                         (tmp_path / "file", "is a file")]:
-        with pytest.raises(JspecError, match=phrase):
-            write(path, "1")
-    assert (other / "keep.txt").read_text() == "mine" and (tmp_path / "file").read_text() == "mine"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "file", "new", "other"]  # no temporary left
-
-
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel

@@ -8,6 +8,7 @@ test_spec.py with the other drafters.
 from __future__ import annotations
 
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +74,29 @@ def test_distill_data_is_the_models_own_greedy_answer(lm, data):
                                       answer=NEW, k=8)
     np.testing.assert_array_equal(d["top_ids"], ids)
     np.testing.assert_allclose(d["top_logp"], logp, rtol=0, atol=1e-5)
+
+
+def test_distill_data_bounds_the_prompt_length_by_the_context(lm, tmp_path):
+    """--max-prompt-tokens beyond what the context leaves for the answer is refused before any work."""
+    room = lm.cfg.max_position_embeddings - NEW
+    for bad in (0, room + 1, 10**12):
+        with pytest.raises(JspecError, match=rf"--max-prompt-tokens must be in 1\.\.{room} "):
+            make_data(lm, tmp_path / "data", max_prompt_tokens=bad)
+    assert not (tmp_path / "data").exists()
+
+
+def test_a_damaged_shard_is_one_line(data, tmp_path):
+    """A truncated shard, or one of other arrays than its siblings: refused naming the file."""
+    for damage in ("truncated", "other arrays"):
+        folder = shutil.copytree(data, tmp_path / damage.replace(" ", "-"))
+        shard = sorted(folder.glob("shard-*.npz"))[-1]
+        if damage == "truncated":
+            shard.write_bytes(shard.read_bytes()[:200])
+        else:
+            np.savez(shard, tokens=np.zeros((1, 4), np.int32))
+        with pytest.raises(JspecError, match=f"{shard.name} is damaged") as e:
+            distill.load(folder)
+        assert "\n" not in str(e.value)
 
 
 def test_distill_data_resumes_missing_shards(lm, data, tmp_path):

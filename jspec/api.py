@@ -262,6 +262,12 @@ class Model:
         return batch_rows(n, batch_size, 1 if self.mesh is None else self.mesh.shape["data"])
 
     @property
+    def platform(self) -> str:
+        """The jax platform the parameters live on (cpu, cuda, rocm, tpu): what the decoding
+        programs are compiled for."""
+        return next(iter(jax.tree.leaves(self.params)[0].devices())).platform
+
+    @property
     def dtype(self) -> str:
         """The parameters' dtype, by name (float32, bfloat16)."""
         dtype = jax.tree.leaves(self.params)[0].dtype
@@ -337,19 +343,21 @@ class Model:
 
     def programs(self) -> dict:
         """The decoding programs compiled so far (jax.stages.Compiled), by their signature:
-        (rows, prompt bucket, cache length, max new tokens, sampling, drafter, controller, ..., logprobs)."""
+        (rows, prompt bucket, cache length, max new tokens, sampling, drafter, controller, ..., logprobs,
+        platform)."""
         return dict(self._compiled)
 
     def _compile(self, rows, p, s, max_new, sampling, plan, cache, args, key, logprobs):
         drafter, dparams, controller = plan
         shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(dparams))
-        sig = (rows, p, s, max_new, sampling, drafter, controller, jax.tree.structure(dparams), shapes, logprobs)
+        sig = (rows, p, s, max_new, sampling, drafter, controller, jax.tree.structure(dparams), shapes, logprobs,
+               self.platform)
         if sig not in self._compiled:
             several = self.mesh is not None and self.mesh.devices.size > 1
             with kernels.off() if several else contextlib.nullcontext():
                 lowered = loop.generate.lower(self.params, dparams, cache, *args, key, cfg=self.cfg, sampling=sampling,
                                               max_new_tokens=max_new, drafter=drafter, controller=controller,
-                                              logprobs=logprobs)
+                                              logprobs=logprobs, platform=self.platform)
             self._compiled[sig] = lowered.compile()
         return self._compiled[sig]
 

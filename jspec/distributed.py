@@ -43,6 +43,7 @@ _FAILED = "jspec/failed"
 _SEEN = "jspec/seen/"
 _POLL_MS = 1000
 _ACK_S = 5.0  # how long process 0 waits for the others to have read a failure
+_LINGER_S = 1.0  # and then for them to exit, before the service goes with it (which jax answers with an abort)
 _exiting = threading.Event()  # set at exit: the coordination service's going away is expected then
 _last_word = threading.Lock()  # taken for good by the one thread that prints this process's last line
 
@@ -182,14 +183,17 @@ def _let_the_others_read(client, count: int, failed: int) -> None:
     """On process 0, which holds the coordination service: wait (a few seconds at most) until
     every process but the failed one has read the failure. When the service goes, jax aborts the
     processes still connected to it (a C++ fatal error), before their watchdogs can say a word."""
-    deadline = time.monotonic() + _ACK_S
+    deadline, read = time.monotonic() + _ACK_S, False
     for process in range(1, count):
         left = int((deadline - time.monotonic()) * 1000)
         if process != failed and left > 0:
             try:
                 client.blocking_key_value_get(_SEEN + str(process), left)
+                read = True
             except Exception:  # stuck where its watchdog cannot run: the deadline bounds the wait
                 pass
+    if read:  # a process that has said it read the failure is on its way out: let it get there
+        time.sleep(_LINGER_S)
 
 
 def fail(message: str, status: int) -> None:

@@ -82,7 +82,7 @@ def export(model, method: str, platform: str, rows: int, max_new: int = 16) -> s
     with kernels.off():
         exported = jax.export.export(loop.generate, platforms=[platform])(
             model.params, dparams, cache, *args, jax.random.key(0), cfg=model.cfg, sampling=Sampling(),
-            max_new_tokens=max_new, drafter=drafter, controller=controller)
+            max_new_tokens=max_new, drafter=drafter, controller=controller, platform=platform)
     return exported.mlir_module()
 
 

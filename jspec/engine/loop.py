@@ -70,16 +70,18 @@ def _chain_rule(drafter, d, target_logits, sampling: Sampling, key):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling", "max_new_tokens", "drafter", "controller",
-                                             "logprobs"), donate_argnames=("cache",))
+                                             "logprobs", "platform"), donate_argnames=("cache",))
 def generate(params, dparams, cache: decoder.KVCache, tokens, packing: decoder.Packing, eos_ids, key, *,
-             cfg: ModelConfig, sampling: Sampling, max_new_tokens: int, drafter, controller, logprobs: int = 0):
+             cfg: ModelConfig, sampling: Sampling, max_new_tokens: int, drafter, controller, logprobs: int = 0,
+             platform: str = "cpu"):
     """tokens [R, T]: B prompts packed as `packing` says (jspec.batching.pack); eos_ids [E].
 
     Returns (out [B, max_new_tokens] with -1 past each row's end, stats dict of [B] arrays, cache).
     The cache needs P + max_new_tokens + K + 1 positions, P = packing.bucket. With `logprobs` = k > 0
     stats also hold "top_ids" and "top_logprobs" [B, max_new_tokens, k]: the target's k most likely
     next tokens behind each generated token, from the logits the round verified with (what a
-    teacher-forced forward over prompt + output would give, without running one).
+    teacher-forced forward over prompt + output would give, without running one). `platform`, the
+    one the program is for, chooses the verification widths (jspec.engine.width.verify_widths).
     """
     prompt_lens = packing.lens
     b, p, k = prompt_lens.shape[0], packing.bucket, drafter.max_draft
@@ -109,7 +111,7 @@ def generate(params, dparams, cache: decoder.KVCache, tokens, packing: decoder.P
         if d.verified is not None:
             (h, target_logits), cache = d.verified, d.cache
         else:
-            widths = verify_widths(k)
+            widths = verify_widths(k, platform)
             width = decoder.Width(widths, width_index(widths, jnp.max(jnp.where(live, d.n, 0))))
             at = positions
             if drafter.candidates:  # alternatives all sit at length + 1; chains too only where the Draft says

@@ -4,6 +4,8 @@ A file is written under a temporary name beside it, fsynced and renamed over the
 (`replacing`, `write_text`); a folder is filled under a temporary name and swapped in whole (`writing_folder`):
 the old one is renamed aside, the new one renamed in, and only then is the old one removed, so a
 process that opened the old folder keeps reading it and no moment exists without a complete one.
+A file appended to line by line (records, trial logs) is read back by `complete_lines`, which
+leaves out the last line a crash tore.
 """
 
 from __future__ import annotations
@@ -107,3 +109,24 @@ def publish(tmp: Path, path: Path) -> None:
         fsync_dir(path.parent)
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
+
+
+def complete_lines(data: bytes, parse, refuse) -> tuple[list, int]:
+    """(what `parse` makes of each complete line, the bytes those lines fill) of an append-only
+    file's `data`: `parse(line)` gives the line's object, None for one to leave out, or raises
+    ValueError for a damaged line. A damaged last line (torn by a crash) and an unterminated tail
+    are left out, for the writer to cut off and redo; an earlier damaged line raises `refuse(its
+    line number)`."""
+    lines = data.split(b"\n")
+    objects, keep = [], 0
+    for i, line in enumerate(lines[:-1]):  # the last piece has no newline: torn, or empty
+        try:
+            obj = parse(line)
+        except ValueError:
+            if i == len(lines) - 2 and not lines[-1]:
+                break  # the last line is garbage (torn by a crash): redo it
+            raise refuse(i + 1) from None
+        keep += len(line) + 1
+        if obj is not None:
+            objects.append(obj)
+    return objects, keep

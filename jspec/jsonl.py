@@ -156,6 +156,20 @@ def _check_unicode(text: str, where: str) -> None:
         raise JspecError(f"{where}: not valid Unicode text ({e.reason} at character {e.start})") from None
 
 
+def _record(line: bytes) -> dict:
+    record = json.loads(line)
+    if not isinstance(record, dict) or "id" not in record:
+        raise ValueError("not a record")
+    return record
+
+
+def prompt_digest(prompt: dict) -> str:
+    """The first 16 hex digits of the sha256 of a prompt's text: the JSON of its "prompt",
+    "messages" or "token_ids" (keys sorted, no spaces, UTF-8), what its record's `prompt_sha256` holds."""
+    text = {k: prompt[k] for k in ("prompt", "messages", "token_ids") if k in prompt}
+    return _digest(json.dumps(text, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode("utf-8"))
+
+
 class RecordWriter:
     """Append records to `OUT.partial`; `finish()` renames it to `OUT`.
 
@@ -244,24 +258,14 @@ class RecordWriter:
         """Keep the complete records of the partial file, its settings checked; cut a torn last line."""
         with open(self.partial, "r+b", opener=_no_follow) as f:
             data = f.read()
-            keep = 0
-            lines = data.split(b"\n")
-            for i, line in enumerate(lines[:-1]):  # the last piece has no newline: truncated (or empty)
-                try:
-                    record = json.loads(line)
-                    if not isinstance(record, dict) or "id" not in record:
-                        raise ValueError("not a record")
-                except ValueError:
-                    if i == len(lines) - 2 and not lines[-1]:
-                        break  # the last line is garbage (torn by a crash): redo it
-                    raise JspecError(f"{self.partial} line {i + 1} is corrupt; delete it or run without "
-                                     "--resume") from None
+            records, keep = files.complete_lines(data, _record, lambda n: JspecError(
+                f"{self.partial} line {n} is corrupt; delete it or run without --resume"))
+            for record in records:
                 self.done_ids.add(record["id"])
                 if "prompt_sha256" in record:
                     self.prompt_digests[record["id"]] = record["prompt_sha256"]
-                self.count += 1
-                keep += len(line) + 1
-            self._head = lines[0] if self.count else None
+            self.count = len(records)
+            self._head = data.split(b"\n", 1)[0] if self.count else None
             self._check_settings()
             if keep < len(data):
                 f.truncate(keep)
@@ -285,15 +289,13 @@ class RecordWriter:
         """Open the partial file a resume keeps, or a new one holding `lines` renamed over any earlier
         one once it and its settings are durable; returns what is left to append."""
         if self._head is None:
-            tmp = self._temporary(lines.encode("utf-8"))
-            self._head, lines = lines.split("\n", 1)[0].encode("utf-8"), ""
-            try:  # the settings name the new first line: a crash before the rename is seen (_check_settings)
+            self._head = lines.split("\n", 1)[0].encode("utf-8")
+            with files.replacing(self.partial) as f:
+                f.write(lines.encode("utf-8"))
+                # The settings name the new first line, and are durable before it replaces the old
+                # file: a crash in between is seen (_check_settings).
                 self._write_settings()
-                os.replace(tmp, self.partial)
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
-            files.fsync_dir(self.partial.parent)
+            lines = ""
         elif not self._settings_path.exists():  # a partial file of an older jspec
             self._write_settings()
         self._file = open(self.partial, "a", encoding="utf-8", opener=_no_follow)
@@ -331,7 +333,8 @@ class RecordWriter:
                     self._sort(order)
                 self._check_replaceable()  # again: OUT may have appeared while the run ran
                 if self.path.name.endswith(".gz"):  # the partial file stays plain: appends and resumes need it so
-                    os.replace(self._temporary(gzip.compress(self.partial.read_bytes(), mtime=0)), self.path)
+                    with files.replacing(self.path) as f:
+                        f.write(gzip.compress(self.partial.read_bytes(), mtime=0))
                     self.partial.unlink()
                 else:
                     os.replace(self.partial, self.path)
@@ -346,16 +349,8 @@ class RecordWriter:
         rank = {json.dumps(i): n for n, i in enumerate(order)}
         ordered = sorted(lines, key=lambda line: rank.get(json.dumps(json.loads(line)["id"]), len(rank)))
         if ordered != lines:  # a crash before the rename leaves the complete partial file either way
-            os.replace(self._temporary(b"".join(line + b"\n" for line in ordered)), self.partial)
-
-    def _temporary(self, data: bytes) -> Path:
-        """A new file beside the partial file holding `data`, durably."""
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.partial.name}.", dir=self.partial.parent)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        return Path(tmp)
+            with files.replacing(self.partial) as f:
+                f.write(b"".join(line + b"\n" for line in ordered))
 
     def __enter__(self) -> "RecordWriter":
         return self

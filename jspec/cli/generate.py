@@ -1,12 +1,11 @@
 """`jspec generate`: text for one prompt (the answer on stdout, the speed on stderr), or one record
 per prompt of a JSONL file, written batch by batch and resumable (jspec.jsonl.RecordWriter says
-what happens to the files). Each record carries `prompt_sha256` (`prompt_digest`), so that a
+what happens to the files). Each record carries `prompt_sha256` (`jspec.jsonl.prompt_digest`), so that a
 resume refuses records whose prompt was edited since."""
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import itertools
 import json
 import sys
@@ -14,7 +13,7 @@ import sys
 from jspec.cli.common import (UsageError, add_generation_options, add_model_options, check_generation_args,
                               generation_options, load_model)
 from jspec.errors import JspecError
-from jspec.jsonl import check_not_prompts
+from jspec.jsonl import check_not_prompts, prompt_digest
 
 HELP = "generate text for one prompt or a JSONL file of prompts"
 DESCRIPTION = ("Generate text for one PROMPT (the answer goes to stdout, the speed to stderr) or for every prompt "
@@ -100,14 +99,6 @@ def _generate_one(args: argparse.Namespace) -> int:
 def _rate(record: dict) -> str:
     tps = record.get("tokens_per_second")
     return f"{tps:.1f} tokens/s" if tps is not None else "- tokens/s"
-
-
-def prompt_digest(prompt: dict) -> str:
-    """The first 16 hex digits of the sha256 of a prompt's text: the JSON of its "prompt",
-    "messages" or "token_ids" (keys sorted, no spaces, UTF-8), what its record's `prompt_sha256` holds."""
-    text = {k: prompt[k] for k in ("prompt", "messages", "token_ids") if k in prompt}
-    canonical = json.dumps(text, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
 
 
 def check_answered(answered: dict, prompts: list[dict], records_file, prompts_file) -> None:

@@ -116,14 +116,14 @@ def resolve(model: str | None, dtype: str | None = None) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{out.name}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not store.is_converted(out) or not store.is_current(out):
+        if not store.is_current(out):
             # Converted by an older jspec (or damaged): redone, and swapped in whole, so a process
             # still loading the old folder keeps its files.
             logging.getLogger("jspec").warning("converting %s into %s (once)", src, out)
             staging = out.parent / f".{out.name}.{socket.gethostname()}-{os.getpid()}"
             shutil.rmtree(staging, ignore_errors=True)
             store.convert(src, staging, dtype)
-            if store.is_converted(out) and store.is_current(out):
+            if store.is_current(out):
                 shutil.rmtree(staging)  # another host published it first (a shared disk whose locks do not span hosts)
             else:
                 try:

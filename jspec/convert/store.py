@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.errors import JspecError, first_line
-from jspec.files import write_text, writing_folder
+from jspec.files import writing_folder
 from jspec.model import layout
 from jspec.model.config import ModelConfig
 from jspec.tokenizer import Tokenizer

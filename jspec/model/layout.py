@@ -12,7 +12,6 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from jspec.errors import JspecError
 from jspec.model.config import ModelConfig
 
 Params = dict
@@ -21,16 +20,18 @@ Params = dict
 def outer_from_hf(tensors: Mapping[str, np.ndarray], names: Sequence[str], dtype=np.float32) -> Params:
     """The parameters outside the layers that `names` lists (of embed, final_norm and an untied
     model's lm_head), cast to `dtype`."""
-    get = _getter(tensors)
     hf_names = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
-    return {name: get(hf_names[name]).astype(dtype) for name in names}
+    return {name: np.asarray(tensors[hf_names[name]]).astype(dtype) for name in names}
 
 
 def layer_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], i: int, dtype=np.float32) -> Params:
     """Layer i's parameters in jspec's layout (the orientation, [out, in], stays), read from
     `tensors` (a `jspec.convert.tensors.Tensors` reads just these) and cast to `dtype`."""
     d, k, g, hd = cfg.hidden_size, cfg.num_kv_heads, cfg.group_size, cfg.head_dim
-    get, p = _getter(tensors), f"model.layers.{i}."
+    p = f"model.layers.{i}."
+
+    def get(name: str) -> np.ndarray:
+        return np.asarray(tensors[name])
 
     def qkv(kind, tail):
         q = get(p + f"self_attn.q_proj.{kind}").reshape(k, g, hd, *tail)
@@ -66,15 +67,6 @@ def interleave_gate_up(w):
     hold (jspec.parts.heads, formats 2 and 3). Converted models of that time are converted again
     instead (jspec.convert.store.FORMAT 6)."""
     return w.reshape(2, -1, *w.shape[1:]).swapaxes(0, 1).reshape(w.shape)
-
-
-def _getter(tensors: Mapping[str, np.ndarray]):
-    def get(name: str) -> np.ndarray:
-        if name not in tensors:
-            raise JspecError(f"the checkpoint has no tensor {name!r}")
-        return np.asarray(tensors[name])
-
-    return get
 
 
 def param_shapes(cfg: ModelConfig) -> dict:

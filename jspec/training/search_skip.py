@@ -200,22 +200,20 @@ def read_log(log: Path) -> tuple[dict | None, list[dict], int]:
     """A trial log: its first line ({"search": header}; None when it has none), its trials, and
     the length of the lines they fill: a torn last line (a run killed while appending it) is left
     out, for the search to cut off and run again. Any other damaged line is refused."""
-    lines = log.read_bytes().split(b"\n")
-    objects, keep = [], 0
-    for i, line in enumerate(lines[:-1]):  # the last piece has no newline: torn, or empty
-        keep += len(line) + 1
+    headed = False  # after the header line, every line is a trial's
+
+    def parse(line: bytes):
+        nonlocal headed
         if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            obj = None
-        if not isinstance(obj, dict) or (objects and not {"params", "objective"} <= obj.keys()):
-            if i == len(lines) - 2 and not lines[-1]:
-                keep -= len(line) + 1  # the last line is garbage (torn by a crash)
-                break
-            raise JspecError(f"{log} line {i + 1} is damaged; remove the log to search again")
-        objects.append(obj)
+            return None
+        obj = json.loads(line)
+        if not isinstance(obj, dict) or (headed and not {"params", "objective"} <= obj.keys()):
+            raise ValueError("not a trial")
+        headed = True
+        return obj
+
+    objects, keep = files.complete_lines(log.read_bytes(), parse, lambda n: JspecError(
+        f"{log} line {n} is damaged; remove the log to search again"))
     return (objects[0] if objects else None), objects[1:], keep
 
 

@@ -35,6 +35,7 @@ from jspec.model import kernels, sharding
 from jspec.model.config import ModelConfig
 from jspec.model.decoder import KVCache, Packing
 from jspec.model.layout import param_shapes
+from jspec.model.numerics import DTYPES, Numerics
 from jspec.tokenizer import Tokenizer
 
 CACHE_ALIGN = 64  # cache lengths are multiples of this: fewer programs
@@ -49,14 +50,18 @@ def _is_conversation(prompts: Any) -> bool:
             and all(isinstance(m, dict) and "role" in m for m in prompts))
 
 
-def load(model: str | None = None, dtype: str | None = None, mesh: str | jax.sharding.Mesh | None = None) -> "Model":
+def load(model: str | None = None, dtype: str | None = None, mesh: str | jax.sharding.Mesh | None = None, *,
+         kv_cache_dtype: str = "float32", activation_dtype: str = "float32") -> "Model":
     """Load `model` (a converted folder, GGUF file, HF folder or cached hub id; None = the default
-    SmolLM2-135M-Instruct) in `dtype` (None: the checkpoint's own: bfloat16 for most HF models,
-    float32 for GGUF files and the default model), optionally sharded over `mesh` ('data=2,model=4').
-    Every process of a multi-process run calls it; a model not yet converted is converted once
-    per cache folder (jspec.convert.cache.resolve)."""
-    if dtype is not None and dtype not in store.DTYPES:
+    SmolLM2-135M-Instruct) with weights in `dtype` (None: the checkpoint's own: bfloat16 for most HF
+    models, float32 for GGUF files and the default model), optionally sharded over `mesh`
+    ('data=2,model=4'). Its programs keep the KV cache in `kv_cache_dtype` and the activations in
+    `activation_dtype` (jspec.model.numerics: float32, the default, is what keeps speculative
+    output token-identical to `ar`). Every process of a multi-process run calls it; a model not yet
+    converted is converted once per cache folder (jspec.convert.cache.resolve)."""
+    if dtype is not None and dtype not in DTYPES:
         raise JspecError(f"unknown dtype {dtype!r}; choose float32 or bfloat16")
+    policy = Numerics(activation_dtype, kv_cache_dtype)
     mesh = sharding.make_mesh(mesh)
     compilation_cache.use_default()
     path = model_cache.resolve(model, dtype)
@@ -64,13 +69,15 @@ def load(model: str | None = None, dtype: str | None = None, mesh: str | jax.sha
     shardings = sharding.shardings(param_shapes(cfg), mesh) if mesh is not None else None
     cfg, params, tokenizer = store.load(path, dtype, shardings)
     default = model is None or model_cache.is_default(meta["source"])
-    return Model(cfg, params, tokenizer, mesh, name=model_cache.DEFAULT_MODEL if default else model)
+    return Model(cfg, params, tokenizer, mesh, name=model_cache.DEFAULT_MODEL if default else model, numerics=policy)
 
 
-def cache_bytes(cfg: ModelConfig, rows: int, length: int, mesh: jax.sharding.Mesh | None = None) -> int:
+def cache_bytes(cfg: ModelConfig, rows: int, length: int, mesh: jax.sharding.Mesh | None = None,
+                dtype=jnp.float32) -> int:
     """Bytes one device holds of a batch's KV cache (`KVCache.zeros`: k and v of each layer,
-    [rows, length, kv heads, head dim]), split over `mesh` as `sharding.cache_sharding` splits it."""
-    leaves = jax.tree.leaves(jax.eval_shape(functools.partial(KVCache.zeros, cfg, rows, length)))
+    [rows, length, kv heads, head dim] in `dtype`), split over `mesh` as `sharding.cache_sharding`
+    splits it."""
+    leaves = jax.tree.leaves(jax.eval_shape(functools.partial(KVCache.zeros, cfg, rows, length, dtype)))
     share = lambda x: x.shape if mesh is None else sharding.cache_sharding(mesh, x.shape).shard_shape(x.shape)
     return sum(math.prod(share(x)) * x.dtype.itemsize for x in leaves)
 
@@ -87,7 +94,8 @@ def check_cache_fits(rows: int, length: int, need: int, stats: dict | None, free
         raise JspecError(
             f"the KV cache of {rows} row{'s' * (rows != 1)} x {length} positions needs {need / GIB:.2f} GiB per "
             f"device but the device has {max(free, 0) / GIB:.2f} GiB free: use a smaller --batch-size or "
-            "--max-new-tokens, shorter prompts, a --mesh with more data or model shards, or --dtype bfloat16 weights")
+            "--max-new-tokens, shorter prompts, a --mesh with more data or model shards, --kv-cache-dtype bfloat16 or "
+            "--dtype bfloat16 weights")
 
 
 def _memory_stats(mesh: jax.sharding.Mesh | None) -> list[dict | None]:
@@ -116,8 +124,10 @@ def host_memory_available() -> int | None:
 
 
 class Model:
-    def __init__(self, cfg: ModelConfig, params, tokenizer: Tokenizer | None = None, mesh=None, name: str = "model"):
+    def __init__(self, cfg: ModelConfig, params, tokenizer: Tokenizer | None = None, mesh=None, name: str = "model",
+                 numerics: Numerics = Numerics()):
         self.cfg, self.params, self.tokenizer, self.mesh, self.name = cfg, params, tokenizer, mesh, name
+        self.numerics = numerics  # the activation and KV cache dtypes its programs use
         self._compiled: dict = {}
         self._caches: dict = {}  # (rows, length) -> the last batch's KVCache: one at most, reused or freed
 
@@ -246,8 +256,9 @@ class Model:
 
     def load_models(self, method: str, options: dict) -> dict:
         """`options` with each model option (a draft model) that names a path loaded in this
-        model's dtype, where `method` takes it (otherwise jspec.methods.check refuses it)."""
-        loaded = {name: load(value, self.dtype) for name, value in options.items()
+        model's dtype and numerics, where `method` takes it (otherwise jspec.methods.check refuses it)."""
+        loaded = {name: load(value, self.dtype, kv_cache_dtype=self.numerics.kv_cache,
+                             activation_dtype=self.numerics.activations) for name, value in options.items()
                   if isinstance(value, (str, os.PathLike)) and name in methods.OPTIONS
                   and methods.OPTIONS[name].type == "model" and method in methods.TAKES[name]}
         return {**options, **loaded}
@@ -271,7 +282,11 @@ class Model:
     def dtype(self) -> str:
         """The parameters' dtype, by name (float32, bfloat16)."""
         dtype = jax.tree.leaves(self.params)[0].dtype
-        return next(name for name, d in store.DTYPES.items() if d == dtype)
+        return next(name for name, d in DTYPES.items() if d == dtype)
+
+    def policy(self) -> dict:
+        """The dtypes and matmul precision its programs run with, as records' settings name them."""
+        return {"dtype": self.dtype, **self.numerics.to_json()}
 
     def run_batch(self, batch: Sequence[Request], rows: int, max_new: int, sampling: Sampling, key,
                   plan, logprobs: int = 0) -> list[dict]:
@@ -295,7 +310,8 @@ class Model:
         if not finite[:len(batch)].all():
             first = batch[int(np.argmin(finite[:len(batch)]))]
             raise JspecError(f"the model's first logits for prompt {first.id!r} are not finite numbers (NaN or "
-                             f"infinity): its weights or its dtype ({self.dtype}) cannot run it")
+                             f"infinity): its weights or its dtypes ({self.dtype} weights, {self.numerics.activations} "
+                             "activations) cannot run it")
         records = [self._record(r, out[i, :stats["new_tokens"][i]], {k: v[i].tolist() for k, v in stats.items()},
                                 seconds) for i, r in enumerate(batch)]
         for i, record in enumerate(records):
@@ -326,15 +342,16 @@ class Model:
         cache = self._caches.pop((rows, length), None)
         if cache is not None:
             return cache
-        need = cache_bytes(self.cfg, rows, length, self.mesh)
-        freed = sum(cache_bytes(self.cfg, *shape, self.mesh) for shape in self._caches)
+        dtype = self.numerics.kv_cache_dtype
+        need = cache_bytes(self.cfg, rows, length, self.mesh, dtype)
+        freed = sum(cache_bytes(self.cfg, *shape, self.mesh, dtype) for shape in self._caches)
         for stats in _memory_stats(self.mesh):
             check_cache_fits(rows, length, need, stats, freed)
         for old in self._caches.values():
             for x in jax.tree.leaves(old):
                 x.delete()  # now, not whenever the last reference goes: before the new one is made
         self._caches.clear()
-        zeros = functools.partial(KVCache.zeros, self.cfg, rows, length)
+        zeros = functools.partial(KVCache.zeros, self.cfg, rows, length, dtype)
         if self.mesh is None:
             return zeros()
         # made in place on each device: a multi-process mesh has devices this process cannot feed
@@ -344,20 +361,20 @@ class Model:
     def programs(self) -> dict:
         """The decoding programs compiled so far (jax.stages.Compiled), by their signature:
         (rows, prompt bucket, cache length, max new tokens, sampling, drafter, controller, ..., logprobs,
-        platform)."""
+        numerics, platform)."""
         return dict(self._compiled)
 
     def _compile(self, rows, p, s, max_new, sampling, plan, cache, args, key, logprobs):
         drafter, dparams, controller = plan
         shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(dparams))
         sig = (rows, p, s, max_new, sampling, drafter, controller, jax.tree.structure(dparams), shapes, logprobs,
-               self.platform)
+               self.numerics, self.platform)
         if sig not in self._compiled:
             several = self.mesh is not None and self.mesh.devices.size > 1
             with kernels.off() if several else contextlib.nullcontext():
                 lowered = loop.generate.lower(self.params, dparams, cache, *args, key, cfg=self.cfg, sampling=sampling,
                                               max_new_tokens=max_new, drafter=drafter, controller=controller,
-                                              logprobs=logprobs, platform=self.platform)
+                                              logprobs=logprobs, numerics=self.numerics, platform=self.platform)
             self._compiled[sig] = lowered.compile()
         return self._compiled[sig]
 
@@ -373,6 +390,7 @@ class Model:
             "prompt_tokens": len(req.token_ids),
             "seconds": round(seconds, 6),
             "tokens_per_second": round(new / seconds, 3) if seconds > 0 else None,
+            "numerics": self.policy(),
             "stats": {
                 "rounds": stats["rounds"],
                 "drafted": stats["drafted"],

@@ -168,6 +168,15 @@ def in_bfloat16(model):
     return Model(model.cfg, jax.tree.map(lambda x: x.astype(jnp.bfloat16), model.params), name=model.name)
 
 
+def all_bfloat16(model):
+    """The same jspec Model with weights, activations and KV cache in bfloat16 (`--dtype bfloat16
+    --activation-dtype bfloat16 --kv-cache-dtype bfloat16`)."""
+    from jspec.api import Model
+    from jspec.model.numerics import Numerics
+
+    return Model(model.cfg, in_bfloat16(model).params, name=model.name, numerics=Numerics("bfloat16", "bfloat16"))
+
+
 @pytest.fixture
 def use_native(monkeypatch):
     """use_native(on): switch jspec's native kernels on or off for the rest of the test. The choice

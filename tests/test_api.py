@@ -18,7 +18,8 @@ from jspec.api import Model
 from jspec.batching import MIN_PROMPT_BUCKET, Request, batch_rows, batches
 from jspec.errors import JspecError
 
-RECORD_FIELDS = {"id", "text", "token_ids", "new_tokens", "prompt_tokens", "seconds", "tokens_per_second", "stats"}
+RECORD_FIELDS = {"id", "text", "token_ids", "new_tokens", "prompt_tokens", "seconds", "tokens_per_second", "numerics",
+                 "stats"}
 # Chat prompts whose encodings differ a lot in length (the template adds ~30 tokens to each).
 CHAT_PROMPTS = [
     "What is the capital of France?",
@@ -272,6 +273,17 @@ def test_bad_requests_are_explained(tiny):
 
 
 # -- the default model -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("option, phrase", [("kv_cache_dtype", "unknown KV cache dtype 'float16'"),
+                                             ("activation_dtype", "unknown activation dtype 'float16'")])
+def test_an_unknown_numerics_dtype_is_refused_before_loading(option, phrase, monkeypatch):
+    import jspec
+    from jspec.convert import cache
+
+    monkeypatch.setattr(cache, "resolve", lambda *a: pytest.fail("nothing loads for a bad dtype"))
+    with pytest.raises(JspecError, match=phrase):
+        jspec.load(**{option: "float16"})
+
 
 def test_chat_messages_must_hold_strings(default_model):
     for message in ({"role": "user", "content": 5}, {"role": "user"}, {"role": 3, "content": "x"}):

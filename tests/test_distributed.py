@@ -194,8 +194,8 @@ def test_a_failure_mid_run_ends_both_and_keeps_the_records(setup, tmp_path):
     model, prompts, reference = setup
     out = tmp_path / "two.jsonl"
     args = ["--prompts", prompts, "--output", out, *ARGS[:2], "--batch-size", "2", *ARGS[4:]]
-    # a record of the tiny model is about 290 bytes: the first batch (two) fits, the second does not
-    [(rc0, err0), (rc1, err1)] = launch(model, *args, file_limit=800, timeout=120)
+    # a record of the tiny model is about 410 bytes: the first batch (two) fits, the second does not
+    [(rc0, err0), (rc1, err1)] = launch(model, *args, file_limit=1200, timeout=120)
     one_line_error(rc0, err0, "File too large", status=1)
     one_line_error(rc1, err1, "File too large", status=1)
     assert "jspec: error: process 0 failed: " in err1

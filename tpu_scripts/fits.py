@@ -2,12 +2,13 @@
 
 Computed from jspec's own parameter shapes (`jspec.model.layout.param_shapes`) and sharding rules
 (`jspec.model.sharding.RULES`, `CACHE_RULE`): a dimension splits over its mesh axis only when the axis
-size divides it, as in jspec. The KV cache is float32 (jspec keeps activations and the cache in
-float32, docs/design.md "Batch invariance"), sized for `--batch-size` rows per data shard and a
-context of prompt + new tokens + the verification's K + 1.
+size divides it, as in jspec. The KV cache is float32 by default (jspec's default numerics keep
+activations and the cache in float32, docs/design.md "Batch invariance"; `--kv-cache-dtype
+bfloat16` halves it), sized for `--rows` rows per data shard and a context of prompt + new
+tokens + the verification's K + 1.
 
     python tpu_scripts/fits.py                  # the table in tpu_scripts/README.md
-    python tpu_scripts/fits.py --context 8192 --rows 16
+    python tpu_scripts/fits.py --context 8192 --rows 16 --kv-cache-dtype bfloat16
 
 A second table gives the host memory that converting and loading take, from the checkpoint's
 pieces (`jspec.convert.store.pieces`): conversion and loading stream a piece at a time.
@@ -64,9 +65,9 @@ def weights_bytes(cfg: ModelConfig, mesh: dict[str, int]) -> int:
     return sum(2 * per_chip(shape, sharding.RULES[name], mesh) for name, shape in leaves(param_shapes(cfg)))
 
 
-def cache_bytes(cfg: ModelConfig, mesh: dict[str, int], rows: int, context: int) -> int:
+def cache_bytes(cfg: ModelConfig, mesh: dict[str, int], rows: int, context: int, dtype: str = "float32") -> int:
     shape = (rows * mesh["data"], context, cfg.num_kv_heads, cfg.head_dim)
-    return 2 * cfg.num_layers * 4 * per_chip(shape, sharding.CACHE_RULE, mesh)
+    return 2 * cfg.num_layers * np.dtype(store.DTYPES[dtype]).itemsize * per_chip(shape, sharding.CACHE_RULE, mesh)
 
 
 # A converting or loading process before its first piece: jax, orbax and tensorstore. Calibrated on
@@ -97,8 +98,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=8, help="batch rows per data shard (default: 8)")
     p.add_argument("--context", type=int, default=4096, help="cache positions per row (default: 4096)")
+    p.add_argument("--kv-cache-dtype", default="float32", choices=("float32", "bfloat16"))
     args = p.parse_args()
-    print(f"bfloat16 weights + float32 KV cache for {args.rows} rows per data shard x {args.context} positions, "
+    print(f"bfloat16 weights + {args.kv_cache_dtype} KV cache for {args.rows} rows per data shard x {args.context} positions, "
           f"GiB per chip (jax {jax.__version__}); 'yes' where it leaves 10% of HBM free\n")
     print("| model | mesh (data x model) | chips | weights | KV cache | total | " + " | ".join(CHIPS) + " |")
     print("| --- | --- | ---: | ---: | ---: | ---: | " + " | ".join("---" for _ in CHIPS) + " |")
@@ -106,7 +108,7 @@ def main() -> None:
         cfg = config(shape)
         for data, model in MESHES:
             mesh = {"data": data, "model": model}
-            w, kv = weights_bytes(cfg, mesh) / GIB, cache_bytes(cfg, mesh, args.rows, args.context) / GIB
+            w, kv = weights_bytes(cfg, mesh) / GIB, cache_bytes(cfg, mesh, args.rows, args.context, args.kv_cache_dtype) / GIB
             fits = ["yes" if w + kv <= 0.9 * hbm else "no" for hbm in CHIPS.values()]
             print(f"| {name} | {data} x {model} | {data * model} | {w:.1f} | {kv:.1f} | {w + kv:.1f} | "
                   + " | ".join(fits) + " |")

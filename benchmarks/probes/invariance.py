@@ -7,6 +7,7 @@ rows whose tokens equal `ar` at batch 1 (batch invariance), rows equal to `ar` a
 size (speculation changes nothing), and throughput.
 
     python benchmarks/probes/invariance.py --dtype bfloat16 --max-new-tokens 48
+    python benchmarks/probes/invariance.py --dtype bfloat16 --kv-cache-dtype bfloat16 --activation-dtype bfloat16
     python benchmarks/probes/invariance.py --dtype bfloat16 --runs "ar@8 eesd@8" --draft-model DIR
     python benchmarks/probes/invariance.py --runs "eesd:max_draft=4;controller=thompson@8 eagle:lookup=2@1"
 
@@ -23,10 +24,10 @@ from pathlib import Path
 
 import jspec
 from jspec import prompt_sets
-from jspec.bench import MethodSpec, parse_methods
+from jspec.bench.specs import MethodSpec, parse_methods
 
 HERE = Path(__file__).resolve().parent
-RUNS = "ar@8 early-exit@1 eesd@1 kangaroo@1 layer-skip@1 ngram@1 eesd@8"
+RUNS = "ar@8 early-exit@1 eesd@1 kangaroo@1 eagle@1 layer-skip@1 knn-ssd@1 ngram@1 eesd@8 eagle@8"
 
 
 def prompts(per_domain: int) -> list[dict]:
@@ -51,13 +52,15 @@ def parse_runs(text: str) -> list[tuple[MethodSpec, int]]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    ap.add_argument("--kv-cache-dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--activation-dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--per-domain", type=int, default=4)
     ap.add_argument("--runs", default=RUNS, help="METHOD[:OPTIONS]@BATCH runs, compared with ar at batch 1")
     ap.add_argument("--draft-model", default=None, help="adds --method draft at batch 1 with this model")
     args = ap.parse_args()
 
-    model = jspec.load(dtype=args.dtype)
+    model = jspec.load(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, activation_dtype=args.activation_dtype)
     todo = prompts(args.per_domain)
     runs = parse_runs(args.runs)
     if args.draft_model:
@@ -73,7 +76,7 @@ def main() -> None:
         return [r["token_ids"] for r in records], sum(r["new_tokens"] for r in records) / seconds
 
     ar = {}
-    print(f"{len(todo)} prompts, {args.max_new_tokens} new tokens, {args.dtype}, greedy\n")
+    print(f"{len(todo)} prompts, {args.max_new_tokens} new tokens, greedy, {model.policy()}\n")
     print("| method | batch | rows identical to ar batch 1 | ... to ar, same batch | tokens/s |\n"
           "| --- | ---: | ---: | ---: | ---: |")
     for spec, batch in [(plain, 1)] + sorted(runs, key=lambda r: r[0].label != "ar"):

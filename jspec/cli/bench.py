@@ -32,7 +32,7 @@ from pathlib import Path
 
 from jspec import methods, prompt_sets
 from jspec.bench.specs import parse_batch_sizes, parse_methods, read_bench_prompts
-from jspec.cli.common import add_model_options, model_dtype
+from jspec.cli.common import add_model_options, load_model, model_dtype, numerics_settings
 from jspec.convert.cache import DEFAULT_MODEL
 from jspec.errors import JspecError
 from jspec.jsonl import check_not_prompts
@@ -96,7 +96,6 @@ def command_line(args) -> str:
 
 
 def run(args) -> int:
-    from jspec.api import load
     from jspec.bench import hf as bench_hf, report as bench_report, run as bench_run
 
     specs = parse_methods(args.methods)
@@ -128,11 +127,11 @@ def run(args) -> int:
     check_not_prompts(args.output, source)
     prompts = read_bench_prompts(source, args.limit)
 
-    settings = {"model": args.model or DEFAULT_MODEL, "dtype": model_dtype(args), "max_new_tokens": args.max_new_tokens,
-                "chat": not args.no_chat}
+    settings = {"model": args.model or DEFAULT_MODEL, "dtype": model_dtype(args), **numerics_settings(args),
+                "max_new_tokens": args.max_new_tokens, "chat": not args.no_chat}
     results = bench_run.Results(args.output, args.resume, settings, overwrite=args.overwrite)
     try:  # from here on the output is locked: every way out lets it go
-        model = load(args.model, args.dtype, args.mesh)
+        model = load_model(args)
         options = {}
         for s in specs:  # check every method's options before anything is timed
             opts = dict(s.options)

@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-share", type=float, default=0.5, metavar="S",
                    help="... and after at least this share of the bigram's or trigram's occurrences (a single "
                         "token's entry, a guess, needs no share; default: %(default)s)")
-    add_model_options(p)
+    add_model_options(p, decodes=False)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -27,7 +27,9 @@ def with_hint(text: str, e: BaseException) -> str:
     return f"{text} ({hint})" if hint else text
 
 
-def add_model_options(p: argparse.ArgumentParser) -> None:
+def add_model_options(p: argparse.ArgumentParser, decodes: bool = True) -> None:
+    """--model, --dtype and --mesh; and for a command that `decodes`, the dtypes of its programs'
+    activations and KV cache (jspec.model.numerics)."""
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, metavar="PATH_OR_ID",
                    help="a converted jspec folder, a GGUF file, a Hugging Face folder or a hub id in the "
@@ -37,6 +39,15 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                         "models, float32 for GGUF files and the default model)")
     g.add_argument("--mesh", default=None, metavar="data=N,model=M",
                    help="shard over a device mesh: batch rows over 'data', tensor parallel over 'model'")
+    if not decodes:
+        p.set_defaults(kv_cache_dtype="float32", activation_dtype="float32")
+        return
+    for name, what in (("--kv-cache-dtype", "the KV cache's dtype: bfloat16 halves its memory"),
+                       ("--activation-dtype", "the activations' dtype: bfloat16 halves their bytes and "
+                                              "takes the accelerators' bfloat16 matmuls")):
+        g.add_argument(name, default="float32", choices=("float32", "bfloat16"),
+                       help=f"{what}; float32 (the default) keeps speculative output token-identical to ar "
+                            "(README, \"What token-identical means\")")
 
 
 def model_dtype(args: argparse.Namespace) -> str:
@@ -46,10 +57,18 @@ def model_dtype(args: argparse.Namespace) -> str:
     return args.dtype or own_dtype(args.model)
 
 
+def numerics_settings(args: argparse.Namespace) -> dict:
+    """The run's activation and KV cache dtypes and matmul precision, as an output's settings name them."""
+    from jspec.model.numerics import Numerics
+
+    return Numerics(args.activation_dtype, args.kv_cache_dtype).to_json()
+
+
 def load_model(args: argparse.Namespace):
     from jspec.api import load
 
-    return load(args.model, args.dtype, args.mesh)
+    return load(args.model, args.dtype, args.mesh, kv_cache_dtype=args.kv_cache_dtype,
+                activation_dtype=args.activation_dtype)
 
 
 def _layers(text: str) -> list[int]:

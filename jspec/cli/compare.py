@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "than 0.25 at 99%% of positions (default: %(default)s)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per differing row instead of a line (the summary goes to stderr)")
-    add_model_options(p)
+    add_model_options(p, decodes=False)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="leave out longer prompts (default: %(default)s)")
     p.add_argument("--no-anchors", default="", metavar="NAME,...", help="sets kept without anchors")
     p.add_argument("--seed", type=int, default=0, help="prompt choice and k-means seed (default: %(default)s)")
-    add_model_options(p)
+    add_model_options(p, decodes=False)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ import json
 import sys
 
 from jspec.cli.common import (UsageError, add_generation_options, add_model_options, check_generation_args,
-                              generation_options, load_model)
+                              generation_options, load_model, numerics_settings)
 from jspec.errors import JspecError
 from jspec.jsonl import check_not_prompts, prompt_digest
 
@@ -120,7 +120,8 @@ def _generate_file(args: argparse.Namespace) -> int:
     distributed.check_same("prompts", json.dumps(prompts, sort_keys=True))
     # Process 0 alone writes (and resumes) the output; the others learn from it what is left.
     options = generation_options(args)
-    settings = {"model": args.model, "dtype": args.dtype, "method": args.method, "chat": not args.no_chat, **options}
+    settings = {"model": args.model, "dtype": args.dtype, **numerics_settings(args), "method": args.method,
+                "chat": not args.no_chat, **options}
     writer = (RecordWriter(args.output, resume=args.resume, settings=settings, overwrite=args.overwrite)
               if distributed.is_writer() else NoWriter(args.output))
     try:  # the writer holds the output until it is closed

@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--patience", type=int, default=None,
                    help=f"with --eval-every: measurements without a gain before stopping (default: {r.patience})")
     p.add_argument("--seed", type=int, default=r.seed, help="(default: %(default)s)")
-    add_model_options(p)
+    add_model_options(p, decodes=False)
 
 
 def run(args: argparse.Namespace) -> int:

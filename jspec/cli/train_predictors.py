@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=int, default=30, help="(default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=8, metavar="N", help="rows per decoding batch (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
-    add_model_options(p)
+    add_model_options(p, decodes=False)
 
 
 def run(args: argparse.Namespace) -> int:

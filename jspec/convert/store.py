@@ -36,11 +36,11 @@ from jspec.errors import JspecError, first_line
 from jspec.files import writing_folder
 from jspec.model import layout
 from jspec.model.config import ModelConfig
+from jspec.model.numerics import DTYPES
 from jspec.tokenizer import Tokenizer
 
 # 6: parameters in pieces of chunked arrays, gate and up interleaved (jspec.model.layout.gate_up).
 FORMAT = 6
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # A piece is as many whole layers as fit here (at least one): what conversion holds at a time.
 PIECE_BYTES = 256 * 2**20
 # Chunks this size or smaller: a device of a model=M mesh reads about its 1/M of an array.

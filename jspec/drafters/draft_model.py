@@ -30,7 +30,7 @@ class DraftModel(Drafter):
 
     def prefill(self, params, dparams, cfg, tokens, packing, cache):
         h, cache = target_prefill(params, cfg, tokens, packing, cache)
-        dcache = decoder.KVCache.zeros(self.draft_cfg, packing.lens.shape[0], cache.length)
+        dcache = decoder.KVCache.zeros(self.draft_cfg, packing.lens.shape[0], cache.length, cache.dtype)
         _, dcache = target_prefill(dparams, self.draft_cfg, tokens, packing, dcache)
         return h, cache, DraftModelState(dcache)
 

@@ -91,7 +91,7 @@ class SpecEE(Drafter):
         h, cache = decoder.run_layers(params, cfg, h, packing, cache, range(n, cfg.num_layers))
         # Positions past a row's are masked anyway: every entry of "mask"'s map starts as present.
         valid = jnp.ones((cfg.num_layers - n, b, cache.length), bool) if self.kv == "mask" else None
-        dstate = SpecEEState(head=head_kv, hidden=jnp.zeros((b, 1, cfg.hidden_size), jnp.float32),
+        dstate = SpecEEState(head=head_kv, hidden=jnp.zeros((b, 1, cfg.hidden_size), h.dtype),
                              token=jnp.zeros((b,), jnp.int32), exited=jnp.zeros((b,), bool),
                              recent=jnp.full((b, RECENT), -100, jnp.int32),
                              exits=jnp.zeros((b, cfg.num_layers + 1), jnp.int32), valid=valid,
@@ -218,7 +218,7 @@ def _rest(cfg, lp, positions, k, v, valid, going, h, q):
 def _kv_only(cfg, lp, kv, cos, sin, h):
     """Only the layer's K/V of h (the fill), when no row needs the layer's output; no queries."""
     _, k, v = decoder.qkv(cfg, {"attn_norm": lp["attn_norm"], **kv}, h, cos, sin)
-    q = jnp.zeros((*h.shape[:2], cfg.num_kv_heads, cfg.group_size, cfg.head_dim), jnp.float32)
+    q = jnp.zeros((*h.shape[:2], cfg.num_kv_heads, cfg.group_size, cfg.head_dim), k.dtype)
     return q, k, v
 
 

@@ -30,6 +30,7 @@ from jspec.engine.state import LoopState
 from jspec.engine.width import verify_widths, width_index
 from jspec.model import decoder
 from jspec.model.config import ModelConfig
+from jspec.model.numerics import Numerics, tracing
 
 
 def top_logprobs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -70,10 +71,10 @@ def _chain_rule(drafter, d, target_logits, sampling: Sampling, key):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling", "max_new_tokens", "drafter", "controller",
-                                             "logprobs", "platform"), donate_argnames=("cache",))
+                                             "logprobs", "numerics", "platform"), donate_argnames=("cache",))
 def generate(params, dparams, cache: decoder.KVCache, tokens, packing: decoder.Packing, eos_ids, key, *,
              cfg: ModelConfig, sampling: Sampling, max_new_tokens: int, drafter, controller, logprobs: int = 0,
-             platform: str = "cpu"):
+             numerics: Numerics = Numerics(), platform: str = "cpu"):
     """tokens [R, T]: B prompts packed as `packing` says (jspec.batching.pack); eos_ids [E].
 
     Returns (out [B, max_new_tokens] with -1 past each row's end, stats dict of [B] arrays, cache).
@@ -81,8 +82,17 @@ def generate(params, dparams, cache: decoder.KVCache, tokens, packing: decoder.P
     stats also hold "top_ids" and "top_logprobs" [B, max_new_tokens, k]: the target's k most likely
     next tokens behind each generated token, from the logits the round verified with (what a
     teacher-forced forward over prompt + output would give, without running one). `platform`, the
-    one the program is for, chooses the verification widths (jspec.engine.width.verify_widths).
+    one the program is for, chooses the verification widths (jspec.engine.width.verify_widths) and
+    the decoder's paths; `numerics` its activation dtype and matmul precision (the cache's dtype is
+    the cache's own).
     """
+    with tracing(numerics, platform):
+        return _generate(params, dparams, cache, tokens, packing, eos_ids, key, cfg, sampling, max_new_tokens,
+                         drafter, controller, logprobs, platform)
+
+
+def _generate(params, dparams, cache, tokens, packing, eos_ids, key, cfg, sampling, max_new_tokens, drafter,
+              controller, logprobs, platform):
     prompt_lens = packing.lens
     b, p, k = prompt_lens.shape[0], packing.bucket, drafter.max_draft
     prompts = jnp.where(jnp.arange(p)[None, :] < prompt_lens[:, None], packing.unpack(tokens), 0)

@@ -81,11 +81,14 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, va
     if valid is not None:
         visible = visible & valid[:, None, :]
     scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1)
+    # The weights in the wider of the activations' and the cache's dtype: bfloat16 with both so,
+    # where a float32 cache or float32 activations keep float32 products.
+    probs = jax.nn.softmax(scores, axis=-1).astype(jnp.promote_types(q.dtype, v.dtype))
     # Heads-major output, transposed after: XLA's CPU dot writing [B, T, K, G, H] directly
     # took a quarter longer on a long prompt.
-    out = jnp.einsum("bkgts,bskh->bkgth", probs, v.astype(jnp.float32)).transpose(0, 3, 1, 2, 4)
-    return out, jax.nn.logsumexp(scores, axis=-1).transpose(0, 3, 1, 2)
+    out = jnp.einsum("bkgts,bskh->bkgth", probs, v.astype(probs.dtype),
+                     preferred_element_type=jnp.float32).transpose(0, 3, 1, 2, 4)
+    return out.astype(q.dtype), jax.nn.logsumexp(scores, axis=-1).transpose(0, 3, 1, 2)
 
 
 def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:

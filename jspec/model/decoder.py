@@ -45,7 +45,7 @@ from typing import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from jspec.model import kernels
+from jspec.model import kernels, numerics
 from jspec.model.attention import attention, block_attention, prefill_attention
 from jspec.model.config import ModelConfig, rope_inv_freq
 
@@ -60,20 +60,24 @@ class KVCache:
     v: list[jax.Array]  # per layer [B, S, K, H]
 
     @classmethod
-    def zeros(cls, cfg: ModelConfig, batch: int, length: int) -> "KVCache":
+    def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> "KVCache":
         shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
-        return cls([jnp.zeros(shape, jnp.float32) for _ in range(cfg.num_layers)],
-                   [jnp.zeros(shape, jnp.float32) for _ in range(cfg.num_layers)])
+        return cls([jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
+                   [jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)])
 
     @property
     def length(self) -> int:
         return self.k[0].shape[1]
 
+    @property
+    def dtype(self):
+        return self.k[0].dtype
+
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * x32.astype(x.dtype)
+    return (weight * x32.astype(x.dtype)).astype(x.dtype)
 
 
 def rope(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -170,7 +174,7 @@ def qkv(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array, cos: jax.Ar
     x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
     qkv = linear(x, lp["wqkv"])
     if "bqkv" in lp:
-        qkv = qkv + lp["bqkv"]
+        qkv = (qkv + lp["bqkv"]).astype(qkv.dtype)
     qkv = qkv.reshape(*qkv.shape[:2], cfg.num_kv_heads, g + 2, cfg.head_dim)
     q = rotate(qkv[:, :, :, :g], cos[:, :, None, None], sin[:, :, None, None])
     k = rotate(qkv[:, :, :, g], cos[:, :, None], sin[:, :, None])
@@ -258,12 +262,9 @@ class Width:
 
 
 def embed(params: Params, tokens: jax.Array) -> jax.Array:
-    """The float32 residual stream: bfloat16 stores the weights, never an activation or a cache
-    entry. A value rounded to bfloat16 turns the last-bit differences between XLA's programs
-    (a row decoded alone, among the K + 1 of a verification, in a batch, in a loop body or not)
-    into whole bfloat16 steps that flip near-tied tokens; kept in float32 they stay near 1e-6 of
-    a logit (docs/design.md, "Batch invariance")."""
-    return params["embed"][tokens].astype(jnp.float32)
+    """The residual stream, in the activation dtype of the program being traced: float32 unless
+    its Numerics say otherwise (jspec.model.numerics says why). Every later activation keeps it."""
+    return params["embed"][tokens].astype(numerics.activation_dtype())
 
 
 def run_layers(params: Params, cfg: ModelConfig, h: jax.Array, positions: jax.Array | Packing | None, cache: KVCache,
@@ -320,8 +321,7 @@ def linear(x: jax.Array, w: jax.Array, dtype=None) -> jax.Array:
     """x [..., D] times w [N, D] transposed -> [..., N], accumulated in float32 and returned in
     `dtype` (default: x's). Every weight matrix, the LM head included, is read this way.
 
-    Activations are always float32 (see `embed`); a bfloat16 weight is widened as it is read.
-    On a CPU a few rows (a decode step, a verification, a step of a batch) take a faster path
+    A bfloat16 weight times float32 rows is widened as it is read. On a CPU a few rows (a decode step, a verification, a step of a batch) take a faster path
     than XLA's matmul, which for so few rows repacks (or, in bfloat16, converts) the whole
     weight first (docs/design.md): jspec's native kernel for the float32 rows where it wins
     (jspec/model/kernels, where it is built), else a multiply-and-sum over D, which XLA fuses into
@@ -333,7 +333,7 @@ def linear(x: jax.Array, w: jax.Array, dtype=None) -> jax.Array:
         return kernels.matmul(x.reshape(rows, -1), w).reshape(*x.shape[:-1], -1).astype(dtype)
     # A float32 row alone takes XLA's matrix-vector kernel; a bfloat16 weight needs the
     # multiply-and-sum even then, as XLA's product with it converts the whole weight first.
-    if (2 <= rows or w.dtype != x.dtype) and rows <= SMALL_ROWS and jax.default_backend() == "cpu":
+    if (2 <= rows or w.dtype != x.dtype) and rows <= SMALL_ROWS and numerics.platform() == "cpu":
         # Rows major, so the result needs no transpose: faster than [N, rows] transposed after.
         out = jnp.sum(w[None].astype(jnp.float32) * x.reshape(rows, 1, -1).astype(jnp.float32), axis=-1)
         return out.reshape(*x.shape[:-1], -1).astype(dtype)

@@ -109,8 +109,8 @@ def grow(params, cfg: ModelConfig, kind: str, exit_layer: int, hp: dict, depth: 
 def fuse_input(params, hp: dict, tokens: jax.Array, prev: jax.Array) -> jax.Array:
     """An EAGLE head's input [B, T, D]: tokens [B, T] embedded, beside prev [B, T, D], the target's
     final-normed state at each token's previous position, through `fuse` [D, 2D]."""
-    return decoder.linear(jnp.concatenate([prev.astype(jnp.float32), decoder.embed(params, tokens)], axis=-1),
-                        hp["fuse"])
+    embedded = decoder.embed(params, tokens)
+    return decoder.linear(jnp.concatenate([prev.astype(embedded.dtype), embedded], axis=-1), hp["fuse"])
 
 
 def final_state(params, cfg: ModelConfig, h: jax.Array) -> jax.Array:

@@ -22,8 +22,8 @@ import jspec.cli.env
 from jspec.convert import store
 from jspec.jsonl import RecordWriter, read_prompts, read_records
 
-FIELDS = {"id", "text", "token_ids", "new_tokens", "prompt_tokens", "seconds", "tokens_per_second", "stats",
-          "prompt_sha256"}
+FIELDS = {"id", "text", "token_ids", "new_tokens", "prompt_tokens", "seconds", "tokens_per_second", "numerics",
+          "stats", "prompt_sha256"}
 TIMING = ("seconds", "tokens_per_second")
 GEN = ["--max-new-tokens", "4"]
 
@@ -86,6 +86,34 @@ def test_generate_jsonl(capsys, tiny, tmp_path):
     # Same tokens as the Python API (batch 2 vs batch 1 differs only in padding rows).
     expected = jspec.api.load(tiny).generate(read_prompts(prompts), max_new_tokens=4)
     assert [r["token_ids"] for r in records] == [r["token_ids"] for r in expected]
+
+
+def test_generate_in_bfloat16_names_its_numerics(capsys, tiny, tmp_path, monkeypatch):
+    """Weights, activations and cache in bfloat16 from the command line: each record names them,
+    and so do an interrupted run's settings, which a resume must match."""
+    prompts = write_lines(tmp_path / "in.jsonl", *PROMPTS)
+    out = tmp_path / "out.jsonl"
+    bf16 = ("--dtype", "bfloat16", "--kv-cache-dtype", "bfloat16", "--activation-dtype", "bfloat16",
+            "--method", "ngram", *GEN)
+    stream = jspec.api.Model.stream
+
+    def interrupted(self, requests, *args, **kwargs):
+        for i, record in enumerate(stream(self, requests, *args, **kwargs)):
+            if i == 1:
+                raise KeyboardInterrupt
+            yield record
+
+    with monkeypatch.context() as m:
+        m.setattr(jspec.api.Model, "stream", interrupted)
+        assert run(capsys, "generate", "--prompts", prompts, "--output", out, "--model", tiny, *bf16)[0] == 130
+    assert_one_error(*run(capsys, "generate", "--prompts", prompts, "--output", out, "--model", tiny, "--resume",
+                          *bf16[:2], *bf16[6:]), "other settings (activation_dtype='bfloat16', "
+                                                  "kv_cache_dtype='bfloat16', matmul_precision='default')")
+    code, _, err = run(capsys, "generate", "--prompts", prompts, "--output", out, "--model", tiny, "--resume", *bf16)
+    assert code == 0, err
+    policy = {"dtype": "bfloat16", "activation_dtype": "bfloat16", "kv_cache_dtype": "bfloat16",
+              "matmul_precision": "default"}
+    assert [r["numerics"] for r in read_jsonl(out)] == [policy] * len(PROMPTS)
 
 
 def test_resume_keeps_finished_records(capsys, tiny, tmp_path):
@@ -384,6 +412,7 @@ def test_env_names_versions_devices_and_cache(capsys, tmp_path, monkeypatch):
     assert rows["jax devices"] == f"{jax.device_count()} (cpu)"  # conftest's 8 simulated CPU devices
     assert rows["default model"].endswith(str(cache.default_gguf()))
     assert rows["native kernel"].startswith("not used: " if kernels.unavailable else "used on a CPU for ")
+    assert "activations float32 (--activation-dtype), KV cache float32 (--kv-cache-dtype)" in rows["numerics"]
     assert f"JSPEC_CACHE={folder}" in rows["environment"]
     assert rows["cache"] == str(folder)
     assert rows["  tiny-float32"].startswith(f"float32, format {store.FORMAT}, 2.0 MB")

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import hf_logits, on_mesh
+from conftest import all_bfloat16, hf_logits, on_mesh
 
 from jspec import batching, methods
 from jspec.api import Model
@@ -366,3 +366,13 @@ def test_cli_default_model(capsys, default_model, tmp_path):
     assert "lossy" in err
     [r] = [json.loads(line) for line in output.read_text().splitlines()]
     assert r["text"].strip() and r["stats"]["mean_accepted_tokens"] >= 1.0 and r["stats"]["drafted"] > 0
+
+
+def test_bfloat16_activations_and_cache_run(small):
+    """MJSD's tree of beams with weights, activations and cache in bfloat16: every row decodes,
+    drafts accepted."""
+    model, _ = small
+    records = all_bfloat16(model).generate(PROMPTS, method="mjsd", max_new_tokens=12, max_draft=3, exit_layer=1,
+                                           tree=True, batch_size=2)
+    assert [r["new_tokens"] for r in records] == [12] * len(PROMPTS)
+    assert sum(r["stats"]["accepted"] for r in records) > 0

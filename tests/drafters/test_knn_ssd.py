@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import in_bfloat16, on_mesh
+from conftest import all_bfloat16, in_bfloat16, on_mesh
 from support.spec import (DAMP, LENGTHS, SAMPLE_ROWS, SAMPLES, SPROMPT, SV, assert_sampled_from, check_stats,
                           convert_tiny, damped, exact_marginals, ids, repetitive_prompts)
 
@@ -244,3 +244,11 @@ def test_bfloat16_greedy_equals_ar(setup, batch_size):
                             batch_size=batch_size)
     assert ids(records) == ar
     assert sum(r["stats"]["accepted"] for r in records) >= 4
+
+
+def test_bfloat16_activations_and_cache_run(setup):
+    """KNN-SSD's masked sublayers with weights, activations and cache in bfloat16: every row
+    decodes, drafts accepted."""
+    records = all_bfloat16(setup.target).generate(setup.prompts, method="knn-ssd", knn=setup.folder,
+                                                  max_new_tokens=NEW, batch_size=4)
+    assert all(r["new_tokens"] > 0 for r in records) and sum(r["stats"]["accepted"] for r in records) > 0

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import in_bfloat16
+from conftest import all_bfloat16, in_bfloat16
 
 from jspec.api import Model
 from jspec.bench.hlo import cache_copies
@@ -361,3 +361,12 @@ def _run(cfg, layers, h, pos, kv, which):
         gate, up = gate_up[0::2], gate_up[1::2]  # interleaved (jspec.model.layout.gate_up)
         h = h + layers[i]["w_down"] @ (gate / (1 + np.exp(-gate)) * up)
     return h
+
+
+def test_bfloat16_activations_and_cache_run(setup):
+    """SpecEE with weights, activations and cache in bfloat16, exits taken: every row decodes."""
+    model, head, pred, _ = setup
+    out = all_bfloat16(model).generate(PROMPTS, method="specee", head=head, predictors=pred,
+                                       exit_threshold=THRESHOLD, max_new_tokens=NEW, batch_size=4)
+    assert [r["new_tokens"] for r in out] == [NEW] * len(PROMPTS)
+    assert {r["numerics"]["activation_dtype"] for r in out} == {"bfloat16"}

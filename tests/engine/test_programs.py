@@ -1,13 +1,19 @@
 """The decoding program each platform gets, lowered with jax.export (no device needed): on a GPU or
 a TPU a speculative round verifies its K + 1 positions with no conditional (each branch index
-would be a copy to the host on a GPU, two a layer), where a CPU keeps one branch per width; and
-the one width decodes the tokens the branches do."""
+would be a copy to the host on a GPU, two a layer), where a CPU keeps one branch per width; the
+one width decodes the tokens the branches do; and the program holds the numerics asked for
+(jspec.model.numerics): float32 activations multiply at HIGHEST precision, and a bfloat16 policy
+keeps its cache in bfloat16 and widens no weight inside the loop."""
 
 from __future__ import annotations
+
+import functools
+import re
 
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import all_bfloat16, in_bfloat16
 from support.spec import DAMP, damped, repetitive_prompts
 
 from jspec import methods
@@ -15,8 +21,13 @@ from jspec.api import Model
 from jspec.engine import loop
 from jspec.engine.sampling import Sampling
 from jspec.model import decoder, kernels
+from jspec.model.numerics import Numerics
 
 OPTIONS = {"ngram": {"datastore": "off", "max_draft": 4}, "layer-skip": {"skip_layers": [1], "max_draft": 4}}
+SPECULATIVE = sorted(OPTIONS)
+OPTIONS["ar"] = {}
+ACCELERATORS = ("cuda", "tpu")
+ALL_BF16 = Numerics("bfloat16", "bfloat16")
 NEW = 12
 
 
@@ -26,42 +37,102 @@ def model(tiny_llama) -> Model:
     return Model(tiny_llama.cfg, damped(tiny_llama.params, [1], DAMP), name="tiny")
 
 
-def lowered(model: Model, method: str, platform: str) -> str:
+@pytest.fixture(scope="module")
+def program(model):
+    """program(method, platform, numerics): the StableHLO of `model`'s decoding program for one
+    prompt, lowered for `platform`; bfloat16 activations come with bfloat16 weights."""
+    return functools.cache(lambda method, platform, numerics=Numerics(): lowered(
+        model if numerics.activations == "float32" else all_bfloat16(model), method, platform, numerics))
+
+
+def lowered(model: Model, method: str, platform: str, numerics: Numerics = Numerics()) -> str:
     """The StableHLO of `model`'s decoding program for one prompt with `method` on `platform`."""
     drafter, dparams, controller = methods.build(method, model, **OPTIONS[method])
     tokens, packing = model.pack(model.requests([{"token_ids": [5, 6, 7, 5, 6, 7]}]), 1)
-    cache = decoder.KVCache.zeros(model.cfg, 1, 64)
+    cache = decoder.KVCache.zeros(model.cfg, 1, 64, numerics.kv_cache_dtype)
     args = jnp.asarray(tokens), jax.tree.map(jnp.asarray, packing), jnp.asarray(model.cfg.eos_token_ids or (-1,))
-    with kernels.off():  # jspec's native kernels are CPU code: a GPU or TPU program never has them
+    with kernels.off():  # a foreign call cannot be exported: a CPU program is lowered without them
         exported = jax.export.export(loop.generate, platforms=[platform])(
             model.params, dparams, cache, *args, jax.random.key(0), cfg=model.cfg, sampling=Sampling(),
-            max_new_tokens=NEW, drafter=drafter, controller=controller, platform=platform)
+            max_new_tokens=NEW, drafter=drafter, controller=controller, numerics=numerics, platform=platform)
     return exported.mlir_module()
 
 
-def conditionals_in_loops(text: str) -> int:
-    """`stablehlo.case` ops inside `while` ops (a `while` runs from its line until the braces
-    come back to the depth before it)."""
-    depth, loops, count = 0, [], 0
+def in_loops(text: str) -> list[str]:
+    """The lines inside `while` ops (a `while` runs from its line until the braces come back to
+    the depth before it)."""
+    depth, loops, inside = 0, [], []
     for line in text.splitlines():
         starts = "stablehlo.while" in line
         if starts:
             loops.append(depth)
-        count += bool(loops) and "stablehlo.case" in line
+        if loops:
+            inside.append(line)
         depth += line.count("{") - line.count("}")
         while loops and not starts and depth <= loops[-1]:
             loops.pop()
-    return count
+    return inside
 
 
-@pytest.mark.parametrize("method", sorted(OPTIONS))
-def test_an_accelerator_round_has_no_conditional_where_a_cpu_has_one_a_layer(model, method):
+def conditionals_in_loops(text: str) -> int:
+    return sum("stablehlo.case" in line for line in in_loops(text))
+
+
+@pytest.mark.parametrize("method", SPECULATIVE)
+def test_an_accelerator_round_has_no_conditional_where_a_cpu_has_one_a_layer(model, program, method):
     assert conditionals_in_loops(lowered(model, method, "cpu")) >= 2 * model.cfg.num_layers
-    for platform in ("cuda", "tpu"):
-        assert conditionals_in_loops(lowered(model, method, platform)) == 0, platform
+    for platform in ACCELERATORS:
+        assert conditionals_in_loops(program(method, platform)) == 0, platform
+
+
+def dots(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "stablehlo.dot_general" in line]
 
 
 @pytest.mark.parametrize("method", sorted(OPTIONS))
+def test_float32_activations_multiply_at_highest_precision(model, program, method):
+    """The default policy's every product, attention's included, asks for HIGHEST precision on a
+    GPU and a TPU: float32 there, not TF32 or bfloat16 passes."""
+    for platform in ACCELERATORS:
+        text = program(method, platform)
+        assert dots(text) and all("precision = [HIGHEST, HIGHEST]" in line for line in dots(text)), platform
+        assert f"tensor<1x64x{model.cfg.num_kv_heads}x{model.cfg.head_dim}xf32>" in text  # the float32 cache
+
+
+def tensors(line: str) -> list[tuple[str, str]]:
+    """(shape, element type) of each tensor type on an HLO line: ("64x128", "bf16")."""
+    return re.findall(r"tensor<((?:\d+x)*)(\w+)>", line)
+
+
+@pytest.mark.parametrize("method", sorted(OPTIONS))
+def test_a_bfloat16_policy_keeps_cache_and_weights_in_bfloat16(model, program, method):
+    """With weights, activations and cache in bfloat16 the cache is bfloat16 throughout the loop
+    (no float32 array of its shape), its products run at DEFAULT precision, and no weight is
+    converted inside the loop: a widened copy of a weight would be written each step."""
+    cache = f"1x64x{model.cfg.num_kv_heads}x{model.cfg.head_dim}x"
+    for platform in ACCELERATORS:
+        text = program(method, platform, ALL_BF16)
+        body = in_loops(text)
+        assert not any((cache, "f32") in tensors(line) for line in body), platform
+        assert any((cache, "bf16") in tensors(line) for line in body), platform
+        assert dots(text) and not any("precision" in line for line in dots(text)), platform
+        assert not widened(text, model), platform
+
+
+def widened(text: str, model: Model) -> list[str]:
+    """The converts to float32 of an array of a weight's shape inside the loop."""
+    weights = {"x".join(map(str, x.shape)) + "x" for x in jax.tree.leaves(model.params) if x.ndim == 2}
+    return [line for line in in_loops(text) if "stablehlo.convert" in line
+            and any(shape in weights and kind == "f32" for shape, kind in tensors(line))]
+
+
+def test_float32_activations_widen_bfloat16_weights(model):
+    """What the default policy pays for float32 over bfloat16 weights: each weight widened as the
+    loop reads it (XLA may fuse the convert into the product), as the test above would see."""
+    assert len(widened(lowered(in_bfloat16(model), "ar", "cuda"), model)) >= 4 * model.cfg.num_layers
+
+
+@pytest.mark.parametrize("method", SPECULATIVE)
 def test_one_width_decodes_what_the_widths_do(model, method, monkeypatch):
     """The single width of an accelerator, run on this CPU: the same tokens and the same accepted
     drafts as the narrowest-width branches, at batch 1 and 3 (rows of different acceptance)."""

@@ -25,12 +25,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import in_bfloat16
+from conftest import all_bfloat16, in_bfloat16
 from support.spec import (DAMP, LENGTHS, SAMPLE_ROWS, SAMPLES, SPROMPT, SV, assert_sampled_from, check_stats,
                           convert_tiny, damped, exact_marginals, ids, repetitive_prompts)
 
 from jspec import methods
 from jspec.api import Model
+from jspec.bench import compare
 from jspec.bench.hlo import cache_copies
 from jspec.controllers import Fixed
 from jspec.drafters.base import Drafter
@@ -41,6 +42,7 @@ from jspec.engine.width import verify_widths
 from jspec.errors import JspecError
 from jspec.methods import options, wrappers
 from jspec.model import decoder as jmodel
+from jspec.model.numerics import Numerics
 from jspec.parts import heads, shipped
 from jspec.parts.folder import fingerprint
 from jspec.training import distill
@@ -239,6 +241,48 @@ def test_bfloat16_ar_batch8_equals_batch1(spec_bf16):
 def test_bfloat16_greedy_equals_ar(spec_bf16, drafter, batch_size):
     records = run(spec_bf16, drafter, "confidence", batch_size=batch_size)
     check_lossless(spec_bf16, records)
+
+
+# -- numerics: bfloat16 activations and cache ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def spec_all_bf16(spec) -> Spec:
+    """spec with weights, activations and cache in bfloat16, and its own batch-4 ar reference."""
+    target = all_bfloat16(spec.target)
+    ar = ids(target.generate(spec.prompts, max_new_tokens=NEW, batch_size=4))
+    return dataclasses.replace(spec, target=target, draft=all_bfloat16(spec.draft), free=None, ar=ar)
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_bfloat16_activations_and_cache_run_every_drafter(spec, spec_all_bf16, drafter):
+    """Every drafter decodes with bfloat16 activations and cache, and the records name the policy.
+    Its tokens are not ar's: a bfloat16 activation depends on the forward's other rows (a K + 1
+    verification, a batch) by whole bfloat16 steps. But where a row parts from ar, the target in
+    float32 sees a near-tie between the two tokens, and until then the row is ar's: the drafts
+    were checked, only the rounding differs."""
+    records = run(spec_all_bf16, drafter, "confidence", batch_size=4)
+    ar = [{"id": i, "token_ids": t} for i, t in enumerate(spec_all_bf16.ar)]
+    rows = compare.compare(spec.target, ar, records, spec.prompts)
+    assert all(row.verdict == compare.NEAR_TIE for row in rows), rows
+    check_stats(records, K)
+    assert {json.dumps(r["numerics"], sort_keys=True) for r in records} == {json.dumps(
+        {"dtype": "bfloat16", "activation_dtype": "bfloat16", "kv_cache_dtype": "bfloat16",
+         "matmul_precision": "default"}, sort_keys=True)}
+
+
+def test_a_bfloat16_cache_is_half_a_float32_one(spec_bf16):
+    """What stays alive after a batch: the cache the next batch reuses, half the bytes in bfloat16."""
+    def cache_bytes(numerics):
+        model = Model(spec_bf16.target.cfg, spec_bf16.target.params, name="target", numerics=numerics)
+        before = {id(x) for x in jax.live_arrays()}
+        model.generate(spec_bf16.prompts, max_new_tokens=NEW, batch_size=4)
+        kept = [x for x in jax.live_arrays() if id(x) not in before]
+        assert {x.dtype for x in kept} == {numerics.kv_cache_dtype}
+        assert len(kept) == 2 * model.cfg.num_layers  # k and v of each layer, nothing else
+        return sum(x.nbytes for x in kept)
+
+    f32, bf16 = cache_bytes(Numerics()), cache_bytes(Numerics(kv_cache="bfloat16"))
+    assert bf16 > 0 and f32 == 2 * bf16
 
 
 # -- candidates side by side: a head's top C for one position --------------------------------------

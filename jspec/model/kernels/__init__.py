@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec.model import numerics
+
 TARGETS = {jnp.dtype(jnp.float32): "jspec_matmul", jnp.dtype(jnp.bfloat16): "jspec_matmul_bf16"}
 # The most float32 rows it is used for (docs/design.md, "Few rows"): above 32 the
 # multiply-and-sum of `decoder.linear` is as fast. One row takes it too: a decode step ran 13-19%
@@ -80,7 +82,7 @@ def off():
 
 def takes(x: jax.Array, w: jax.Array, rows: int) -> bool:
     """Whether `decoder.linear` multiplies x (`rows` rows) by w with the kernel."""
-    if not enabled or x.dtype != jnp.float32 or jax.default_backend() != "cpu":
+    if not enabled or x.dtype != jnp.float32 or numerics.platform() != "cpu":
         return False
     return w.dtype == jnp.bfloat16 or (w.dtype == jnp.float32 and rows <= MAX_ROWS)
 
@@ -104,7 +106,7 @@ def _matmul_jvp(primals, tangents):
 def takes_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
     """Whether `attention.attention` runs the attention kernel for queries q [B, T, K, G, H] over k, v."""
     float32 = q.dtype == k.dtype == v.dtype == jnp.float32
-    return enabled and float32 and q.shape[1] <= MAX_QUERIES and jax.default_backend() == "cpu"
+    return enabled and float32 and q.shape[1] <= MAX_QUERIES and numerics.platform() == "cpu"
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid: jax.Array, prefix: jax.Array):

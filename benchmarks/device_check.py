@@ -41,14 +41,14 @@ sys.path.insert(0, str(ROOT))  # run from a checkout
 
 import jspec  # noqa: E402
 from jspec.api import Model, cache_bytes  # noqa: E402
-from jspec.bench import hlo  # noqa: E402
+from jspec.bench import hlo, report  # noqa: E402
 from jspec.model.config import ModelConfig  # noqa: E402
 from jspec.model.layout import param_shapes  # noqa: E402
 from jspec.model.numerics import Numerics  # noqa: E402
 from jspec.parts import heads  # noqa: E402
 from jspec.parts.folder import fingerprint  # noqa: E402
 
-BEGIN, END = "<!-- device-check:begin -->", "<!-- device-check:end -->"
+SECTION = "device-check"  # the page's section between <!-- device-check:begin --> and <!-- device-check:end -->
 # Peak HBM bandwidth, bytes/s, by a substring of jax's device_kind (vendors' data sheets).
 PEAK_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "L40S": 8.64e11, "L4": 3.0e11, "A10": 6.0e11,
                   "TPU v6": 1.64e12, "TPU v5p": 2.76e12, "TPU v5": 8.19e11, "TPU v4": 1.2e12}
@@ -231,11 +231,8 @@ def page_section(check: Check) -> str:
 
 
 def write_page(path: Path, section: str) -> None:
-    text = path.read_text() if path.exists() else f"{BEGIN}\n{END}\n"
-    if BEGIN not in text or END not in text:
-        text = text.rstrip("\n") + f"\n\n{BEGIN}\n{END}\n"
-    head, rest = text.split(BEGIN, 1)
-    path.write_text(f"{head}{BEGIN}\n\n{section}\n{END}{rest.split(END, 1)[1]}")
+    begin, end = report.markers(SECTION)
+    report.write_section(path, f"{begin}\n\n{section}\n{end}", SECTION, intro="# Benchmarks on an accelerator\n")
 
 
 def main(argv: list[str] | None = None) -> int:

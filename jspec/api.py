@@ -28,6 +28,7 @@ from jspec import compilation_cache, distributed, methods
 from jspec.batching import Request, batch_rows, batches, pack
 from jspec.convert import cache as model_cache, store
 from jspec.engine import loop
+from jspec.engine.programs import Programs
 from jspec.engine.sampling import Sampling
 from jspec.errors import JspecError
 from jspec.jsonl import check_messages
@@ -128,7 +129,7 @@ class Model:
                  numerics: Numerics = Numerics()):
         self.cfg, self.params, self.tokenizer, self.mesh, self.name = cfg, params, tokenizer, mesh, name
         self.numerics = numerics  # the activation and KV cache dtypes its programs use
-        self._compiled: dict = {}
+        self._programs = Programs()
         self._caches: dict = {}  # (rows, length) -> the last batch's KVCache: one at most, reused or freed
 
     # -- prompts -----------------------------------------------------------------------------
@@ -361,22 +362,24 @@ class Model:
     def programs(self) -> dict:
         """The decoding programs compiled so far (jax.stages.Compiled), by their signature:
         (rows, prompt bucket, cache length, max new tokens, sampling, drafter, controller, ..., logprobs,
-        numerics, platform)."""
-        return dict(self._compiled)
+        numerics, platform), as many as this process keeps (jspec.engine.programs)."""
+        return self._programs.compiled()
 
     def _compile(self, rows, p, s, max_new, sampling, plan, cache, args, key, logprobs):
         drafter, dparams, controller = plan
         shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(dparams))
         sig = (rows, p, s, max_new, sampling, drafter, controller, jax.tree.structure(dparams), shapes, logprobs,
                self.numerics, self.platform)
-        if sig not in self._compiled:
+
+        def compile():
             several = self.mesh is not None and self.mesh.devices.size > 1
             with kernels.off() if several else contextlib.nullcontext():
                 lowered = loop.generate.lower(self.params, dparams, cache, *args, key, cfg=self.cfg, sampling=sampling,
                                               max_new_tokens=max_new, drafter=drafter, controller=controller,
                                               logprobs=logprobs, numerics=self.numerics, platform=self.platform)
-            self._compiled[sig] = lowered.compile()
-        return self._compiled[sig]
+            return lowered.compile()
+
+        return self._programs.get(sig, compile)
 
     def _record(self, req: Request, ids: np.ndarray, stats: dict, seconds: float) -> dict:
         ids = [int(t) for t in ids]

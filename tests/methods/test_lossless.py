@@ -1,6 +1,6 @@
-"""Speculative decoding is lossless: every drafter under every controller emits exactly the
-tokens plain autoregressive decoding (`ar`) emits when greedy, and samples from exactly the
-target's distribution when sampling.
+"""Greedy speculative decoding is lossless: every drafter under every controller emits exactly the
+tokens plain autoregressive decoding (`ar`) emits (sampling: test_sampling.py; bfloat16:
+test_bfloat16.py).
 
 The models are tiny random Llamas (conftest's `tiny_hf_model`, converted by store.convert), fed
 token ids. So that drafts are accepted often enough to exercise every path (partial accepts,
@@ -12,7 +12,8 @@ perfectly. Repeated motifs in the prompts, and the loops random models fall into
 lookup.
 
 Each (method, options, controller, batch size, prompt bucket, max_new_tokens) compiles the loop
-once, seconds each on a small CPU, so the tests share one target and one set of prompts.
+once, seconds each on a small CPU, so the tests share one target and one set of prompts
+(tests/support/lossless.py).
 """
 
 from __future__ import annotations
@@ -25,13 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import all_bfloat16, in_bfloat16
-from support.spec import (DAMP, LENGTHS, SAMPLE_ROWS, SAMPLES, SPROMPT, SV, assert_sampled_from, check_stats,
-                          convert_tiny, damped, exact_marginals, ids, repetitive_prompts)
+from support.lossless import (CANDIDATES, DRAFTERS, FREE_NEW, HEAD_EXIT, K, NEW, Spec, check_lossless, make_spec,
+                              run, run_candidates)
+from support.spec import LENGTHS, check_stats, convert_tiny, ids
 
 from jspec import methods
 from jspec.api import Model
-from jspec.bench import compare
 from jspec.bench.hlo import cache_copies
 from jspec.controllers import Fixed
 from jspec.drafters.base import Drafter
@@ -42,117 +42,14 @@ from jspec.engine.width import verify_widths
 from jspec.errors import JspecError
 from jspec.methods import options, wrappers
 from jspec.model import decoder as jmodel
-from jspec.model.numerics import Numerics
 from jspec.parts import heads, shipped
 from jspec.parts.folder import fingerprint
 from jspec.training import distill
 
-NEW = 32  # max_new_tokens of the greedy tests
-FREE_NEW = NEW + 8  # the run without EOS goes further: the oracle drafter reads past NEW
-K = 4  # max_draft of the drafter x controller product
-
-DRAFTERS = {
-    "draft": dict(method="draft"),  # the target's first two layers as a separate model
-    "early-exit-1": dict(method="early-exit", exit_layer=1),
-    "early-exit-2": dict(method="early-exit", exit_layer=2),
-    "layer-skip": dict(method="layer-skip", skip_layers=(1, 2)),
-    "ngram": dict(method="ngram"),
-    "eesd": dict(method="eesd"),  # heads copied from layer 1 (untrained), draft vocabulary with gaps
-    "kangaroo": dict(method="kangaroo"),
-    "eagle": dict(method="eagle"),  # an untrained head: the target's last layer over state + embedding
-}
-HEAD_EXIT = 1
-CONTROLLERS = {
-    "fixed": dict(controller="fixed"),
-    "confidence": dict(controller="confidence"),
-    "heuristic": dict(controller="heuristic"),
-    "dv": dict(controller="dv"),
-    "thompson-beta": dict(controller="thompson", thompson_variant="beta"),
-    "thompson-calibration": dict(controller="thompson", thompson_variant="calibration"),
-}
-
-
-
-
-
-
-
-
-
-
-@dataclasses.dataclass
-class Spec:
-    target: Model  # EOS = `eos`
-    draft: Model  # the target's first two layers
-    free: Model  # the target without EOS ids
-    prompts: list
-    ar: list  # greedy `ar` token ids of `prompts` under `target`
-    free_ar: list  # ... under `free`: always FREE_NEW tokens
-    eos: int
-    heads: dict  # method -> saved head folder
-
-
-def save_heads(folder, cfg, params, vocab) -> dict:
-    """Untrained eesd and kangaroo heads (copies of layer HEAD_EXIT) and an eagle head (a copy of
-    the last layer) over draft vocabulary `vocab`."""
-    exit_layer = lambda kind: cfg.num_layers if kind == "eagle" else HEAD_EXIT
-    meta = lambda kind: {"kind": kind, "exit_layer": exit_layer(kind), "model": fingerprint(cfg),
-                         "draft_vocab": len(vocab)}
-    return {kind: str(heads.save(folder / kind, heads.init(params, cfg, kind, exit_layer(kind), vocab), meta(kind)))
-            for kind in heads.KINDS}
-
 
 @pytest.fixture(scope="module")
 def spec(tmp_path_factory) -> Spec:
-    _, cfg, params = convert_tiny(tmp_path_factory, "spec-target", seed=3, num_hidden_layers=4)
-    params = damped(params, range(1, 4), DAMP)
-    free = Model(dataclasses.replace(cfg, eos_token_ids=()), params, name="free")
-    prompts = repetitive_prompts(LENGTHS, cfg.vocab_size, seed=0)
-    free_ar = ids(free.generate(prompts, max_new_tokens=FREE_NEW, batch_size=4))
-    assert all(len(t) == FREE_NEW for t in free_ar)
-    # An EOS id the model produces mid-generation (first at index >= 5) in some rows but not all,
-    # preferring one that appears in more rows.
-    first_at = [{t: row.index(t) for t in set(row[:NEW])} for row in free_ar]
-    candidates = [t for t in set().union(*first_at)
-                  if all(f.get(t, NEW) >= 5 for f in first_at) and any(t not in f for f in first_at)]
-    eos = max(candidates, key=lambda t: (sum(t in f for f in first_at), -min(f.get(t, NEW) for f in first_at)))
-    target = Model(dataclasses.replace(cfg, eos_token_ids=(eos,)), params, name="target")
-    dcfg = dataclasses.replace(target.cfg, num_layers=2)
-    draft = Model(dcfg, {**params, "layers": params["layers"][:2]}, name="draft")
-    ar = ids(target.generate(prompts, max_new_tokens=NEW))
-    assert ids(target.generate(prompts, max_new_tokens=NEW, batch_size=4)) == ar
-    for row, full in zip(ar, free_ar):  # EOS cuts the free run right after its first EOS
-        full = full[:NEW]
-        assert row == (full[:full.index(eos) + 1] if eos in full else full)
-    assert any(len(row) < NEW for row in ar) and any(len(row) == NEW for row in ar)
-    # The heads' draft vocabulary leaves out one token the target emits: it can never be drafted.
-    emitted = sorted({t for row in free_ar for t in row})
-    vocab = np.array([t for t in emitted if t != ar[0][1]], np.int32)
-    head_paths = save_heads(tmp_path_factory.mktemp("spec-heads"), cfg, params, vocab)
-    return Spec(target, draft, free, prompts, ar, free_ar, eos, head_paths)
-
-
-def run(spec: Spec, drafter: str, controller: str = "fixed", *, batch_size: int = 4, max_new_tokens: int = NEW,
-        max_draft: int = K, **options):
-    """Greedy records of spec.prompts under spec.target with a DRAFTERS entry and a CONTROLLERS entry."""
-    opts = {**DRAFTERS[drafter], **CONTROLLERS[controller], **options}
-    method = opts.pop("method")
-    if method == "draft":
-        opts.setdefault("draft_model", spec.draft)
-    if method in heads.KINDS:
-        opts.setdefault("head", spec.heads[method])
-    return spec.target.generate(spec.prompts, method=method, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                                max_draft=max_draft, **opts)
-
-
-
-
-def check_lossless(spec: Spec, records, k: int = K, fixed_model_drafter: bool = False):
-    assert ids(records) == spec.ar
-    for r in records:
-        t = r["token_ids"]
-        assert (t[-1] == spec.eos and spec.eos not in t[:-1]) if len(t) < NEW else spec.eos not in t
-    check_stats(records, k, fixed_model_drafter)
+    return make_spec(tmp_path_factory)
 
 
 # -- greedy: token-identical to ar ---------------------------------------------------------------
@@ -218,86 +115,7 @@ def test_greedy_equals_ar_batch1(spec, drafter, controller):
     check_lossless(spec, records, fixed_model_drafter=controller == "fixed" and drafter != "ngram")
 
 
-# -- bfloat16: the same target, rounded, is just as lossless -------------------------------------
-
-@pytest.fixture(scope="module")
-def spec_bf16(spec) -> Spec:
-    """spec's target, draft model and prompts in bfloat16, with their own ar batch-1 reference.
-    Were any activation or cache entry rounded to bfloat16, a forward whose rows got numbers
-    that depend on the forward's other rows (K + 1 verified positions, a batch) would part from
-    ar at near-ties."""
-    target = in_bfloat16(spec.target)
-    ar = ids(target.generate(spec.prompts, max_new_tokens=NEW))
-    return dataclasses.replace(spec, target=target, draft=in_bfloat16(spec.draft), free=None, ar=ar)
-
-
-def test_bfloat16_ar_batch8_equals_batch1(spec_bf16):
-    """Batch 8 over 4 prompts: a program of 4 rows of its own (a short batch runs at a power of two)."""
-    check_lossless(spec_bf16, spec_bf16.target.generate(spec_bf16.prompts, max_new_tokens=NEW, batch_size=8), k=0)
-
-
-@pytest.mark.parametrize("batch_size", [1, 8])
-@pytest.mark.parametrize("drafter", DRAFTERS)
-def test_bfloat16_greedy_equals_ar(spec_bf16, drafter, batch_size):
-    records = run(spec_bf16, drafter, "confidence", batch_size=batch_size)
-    check_lossless(spec_bf16, records)
-
-
-# -- numerics: bfloat16 activations and cache ----------------------------------------------------
-
-@pytest.fixture(scope="module")
-def spec_all_bf16(spec) -> Spec:
-    """spec with weights, activations and cache in bfloat16, and its own batch-4 ar reference."""
-    target = all_bfloat16(spec.target)
-    ar = ids(target.generate(spec.prompts, max_new_tokens=NEW, batch_size=4))
-    return dataclasses.replace(spec, target=target, draft=all_bfloat16(spec.draft), free=None, ar=ar)
-
-
-@pytest.mark.parametrize("drafter", DRAFTERS)
-def test_bfloat16_activations_and_cache_run_every_drafter(spec, spec_all_bf16, drafter):
-    """Every drafter decodes with bfloat16 activations and cache, and the records name the policy.
-    Its tokens are not ar's: a bfloat16 activation depends on the forward's other rows (a K + 1
-    verification, a batch) by whole bfloat16 steps. But where a row parts from ar, the target in
-    float32 sees a near-tie between the two tokens, and until then the row is ar's: the drafts
-    were checked, only the rounding differs."""
-    records = run(spec_all_bf16, drafter, "confidence", batch_size=4)
-    ar = [{"id": i, "token_ids": t} for i, t in enumerate(spec_all_bf16.ar)]
-    rows = compare.compare(spec.target, ar, records, spec.prompts)
-    assert all(row.verdict == compare.NEAR_TIE for row in rows), rows
-    check_stats(records, K)
-    assert {json.dumps(r["numerics"], sort_keys=True) for r in records} == {json.dumps(
-        {"dtype": "bfloat16", "activation_dtype": "bfloat16", "kv_cache_dtype": "bfloat16",
-         "matmul_precision": "default"}, sort_keys=True)}
-
-
-def test_a_bfloat16_cache_is_half_a_float32_one(spec_bf16):
-    """What stays alive after a batch: the cache the next batch reuses, half the bytes in bfloat16."""
-    def cache_bytes(numerics):
-        model = Model(spec_bf16.target.cfg, spec_bf16.target.params, name="target", numerics=numerics)
-        before = {id(x) for x in jax.live_arrays()}
-        model.generate(spec_bf16.prompts, max_new_tokens=NEW, batch_size=4)
-        kept = [x for x in jax.live_arrays() if id(x) not in before]
-        assert {x.dtype for x in kept} == {numerics.kv_cache_dtype}
-        assert len(kept) == 2 * model.cfg.num_layers  # k and v of each layer, nothing else
-        return sum(x.nbytes for x in kept)
-
-    f32, bf16 = cache_bytes(Numerics()), cache_bytes(Numerics(kv_cache="bfloat16"))
-    assert bf16 > 0 and f32 == 2 * bf16
-
-
 # -- candidates side by side: a head's top C for one position --------------------------------------
-
-CANDIDATES = 3
-
-
-def run_candidates(spec: Spec, drafter: str, batch_size: int, candidates: int = CANDIDATES):
-    opts = dict(DRAFTERS[drafter])
-    method = opts.pop("method")
-    if method in heads.KINDS:
-        opts["head"] = spec.heads[method]
-    return spec.target.generate(spec.prompts, method=method, max_new_tokens=NEW, batch_size=batch_size,
-                                candidates=candidates, **opts)
-
 
 @pytest.mark.parametrize("drafter, batch_size", [("eagle", 1), ("eagle", 4), ("eesd", 1), ("kangaroo", 4),
                                                  ("early-exit-1", 4)])
@@ -329,11 +147,6 @@ def test_candidates_behind_lookup_equal_ar(spec, drafter):
     check_lossless(spec, records, k=wrappers.LOOKUP_MAX_DRAFT)
     copied = sum(r["stats"]["lookup_rounds"] for r in records)
     assert 0 < copied < sum(r["stats"]["rounds"] - 1 for r in records)
-
-
-@pytest.mark.parametrize("drafter", ["eagle", "kangaroo"])
-def test_bfloat16_candidates_equal_ar(spec_bf16, drafter):
-    check_lossless(spec_bf16, run_candidates(spec_bf16, drafter, 8), k=CANDIDATES)
 
 
 def test_keep_candidate_moves_the_heads_entries_too(spec):
@@ -698,101 +511,3 @@ def test_compiled_once_per_bucket(spec, count_compiles):
     assert m.programs() == compiled and count_compiles == []
     assert ids(rs) == [ra["token_ids"], rb["token_ids"], ra["token_ids"]]
     assert ra["token_ids"] == spec.ar[0][:new]
-
-
-# -- sampling: the target's distribution, exactly ---------------------------------------------------
-
-LOOKUP_SAMPLES = 1024  # prompt lookup runs at batch 1: one program run per sample
-
-
-@dataclasses.dataclass
-class SamplingSetup:
-    target: Model
-    draft: Model
-    p1: np.ndarray  # [V] first token
-    p12: np.ndarray  # [V, V] first two tokens
-    p3: np.ndarray  # [V] third token (marginal)
-
-
-@pytest.fixture(scope="module")
-def small(tmp_path_factory) -> SamplingSetup:
-    _, cfg, params = convert_tiny(tmp_path_factory, "spec-small", seed=5, vocab_size=SV, num_hidden_layers=3)
-    cfg = dataclasses.replace(cfg, eos_token_ids=())
-    target = Model(cfg, params, name="small")
-    # Three different draft distributions: layers 0-1 (early exit), 0 and 2 (layer skip), 0 alone (draft model).
-    draft = Model(dataclasses.replace(cfg, num_layers=1), {**params, "layers": params["layers"][:1]}, name="small-draft")
-    return SamplingSetup(target, draft, *exact_marginals(cfg, params, SPROMPT, Sampling(1.0)))
-
-
-
-
-
-
-SAMPLED = {
-    "ar": dict(method="ar"),
-    "early-exit": dict(method="early-exit", exit_layer=2, max_draft=3),  # confidence controller
-    "ngram": dict(method="ngram", max_draft=3, lookup=1),  # 3 new tokens: a 2-token repeat would be rare
-    # after the first round's repeat, the datastore's chains (a table of random text: 3.7x the drafts)
-    "ngram-datastore": dict(method="ngram", max_draft=3, datastore="small"),
-    "layer-skip": dict(method="layer-skip", skip_layers=(1,), max_draft=3, controller="thompson"),
-    "draft": dict(method="draft", max_draft=3, controller="heuristic"),
-    # temperature, top-k and top-p: target and draft distributions both filtered
-    "draft-filtered": dict(method="draft", max_draft=3, controller="fixed", temperature=0.8, top_k=6, top_p=0.9),
-    "eesd": dict(method="eesd", max_draft=3),  # thompson; a draft vocabulary of 12 of the 16 tokens
-    "kangaroo": dict(method="kangaroo", max_draft=3),  # confidence
-    "eagle": dict(method="eagle", max_draft=3),  # confidence
-    "eagle-candidates": dict(method="eagle", candidates=3),  # the target's own draw, matched to a candidate
-    # every token is in the prompt: every round copies (q one-hot), the head's state fed behind it;
-    # batch 1 only (lookup is off above it), so fewer samples
-    "eesd-lookup": dict(method="eesd", max_draft=3, lookup=1, lookup_draft=3),
-}
-
-
-@pytest.fixture(scope="module")
-def small_heads(small, tmp_path_factory) -> dict:
-    vocab = np.arange(SV, dtype=np.int32)[2:14]
-    return save_heads(tmp_path_factory.mktemp("small-heads"), small.target.cfg, small.target.params, vocab)
-
-
-@pytest.fixture(scope="module")
-def small_datastore(small, tmp_path_factory) -> str:
-    from jspec.parts import datastore
-
-    text = np.random.default_rng(2).integers(0, SV, (64, 64)).tolist()
-    table = datastore.build([(row, 3) for row in text], min_count=1, min_share=0.01)
-    meta = {"model": fingerprint(small.target.cfg)}
-    return str(datastore.save(tmp_path_factory.mktemp("small-datastore") / "ds", table, meta))
-
-
-@pytest.mark.parametrize("method", list(SAMPLED))
-def test_sampling_matches_target_distribution(small, small_heads, small_datastore, method):
-    opts = {"temperature": 1.0, **SAMPLED[method]}
-    if opts.get("datastore") == "small":
-        opts["datastore"] = small_datastore
-    if opts["method"] == "draft":
-        opts["draft_model"] = small.draft
-    if opts["method"] in heads.KINDS:
-        opts["head"] = small_heads[opts["method"]]
-    exact = (small.p1, small.p12, small.p3)
-    if opts.get("top_k") or opts.get("top_p"):
-        sampling = Sampling(opts["temperature"], opts.get("top_k", 0), opts.get("top_p", 1.0))
-        exact = exact_marginals(small.target.cfg, small.target.params, SPROMPT, sampling)
-        assert (exact[0] == 0).sum() >= SV - 6  # the filters do cut tokens
-    copies_first = "lookup" in opts and opts["method"] != "ngram"  # prompt lookup in front of a drafter
-    samples, rows = (LOOKUP_SAMPLES, 1) if copies_first else (SAMPLES, SAMPLE_ROWS)
-    records = small.target.generate([{"token_ids": SPROMPT}] * samples, max_new_tokens=3, batch_size=rows,
-                                    seed=17, **opts)
-    out = np.array(ids(records))
-    assert out.shape == (samples, 3)
-    v = SV
-    assert_sampled_from(np.bincount(out[:, 0], minlength=v), exact[0], "first token")
-    assert_sampled_from(np.bincount(out[:, 0] * v + out[:, 1], minlength=v * v), exact[1], "first two tokens")
-    assert_sampled_from(np.bincount(out[:, 2], minlength=v), exact[2], "third token")
-    if method != "ar":
-        # Drafts were proposed, and both accepted and rejected: the test exercises rejection sampling.
-        drafted = sum(r["stats"]["drafted"] for r in records)
-        accepted = sum(r["stats"]["accepted"] for r in records)
-        assert 200 * samples / SAMPLES < accepted < 0.95 * drafted, (accepted, drafted)
-    if copies_first:  # every round after the prefill copied
-        assert sum(r["stats"]["lookup_rounds"] for r in records) == sum(r["stats"]["rounds"] - 1 for r in records)
-    check_stats(records, opts.get("max_draft", opts.get("candidates", 0)))

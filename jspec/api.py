@@ -371,7 +371,7 @@ class Model:
         sig = (rows, p, s, max_new, sampling, drafter, controller, jax.tree.structure(dparams), shapes, logprobs,
                self.numerics, self.platform)
 
-        def compile():
+        def build():
             several = self.mesh is not None and self.mesh.devices.size > 1
             with kernels.off() if several else contextlib.nullcontext():
                 lowered = loop.generate.lower(self.params, dparams, cache, *args, key, cfg=self.cfg, sampling=sampling,
@@ -379,7 +379,7 @@ class Model:
                                               logprobs=logprobs, numerics=self.numerics, platform=self.platform)
             return lowered.compile()
 
-        return self._programs.get(sig, compile)
+        return self._programs.get(sig, build)
 
     def _record(self, req: Request, ids: np.ndarray, stats: dict, seconds: float) -> dict:
         ids = [int(t) for t in ids]

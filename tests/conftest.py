@@ -274,10 +274,11 @@ def default_tokenizer():
 
 # The suite runs on two xdist workers that take whole files (pyproject.toml). Handing out the
 # longest files first keeps both busy to the end; xdist's own order (most tests first) left the
-# one-test notebook file, two minutes, to run alone last. Ordered by the 2026-11-23 runs' --durations.
+# one-test notebook file, two minutes, to run alone last. Ordered by the 2026-11-23 runs' --durations
+# (test_bfloat16.py and test_sampling.py, split from test_lossless.py, by 2026-12-03's).
 LONGEST_FIRST = ["test_lossless.py", "test_train_head.py", "test_bfloat16.py", "test_sampling.py", "test_notebook.py",
-                 "test_sharding.py", "test_api.py", "test_beam.py", "test_knn_ssd.py", "test_bench.py", "test_kernels.py", "test_specee.py",
-                 "test_tokenizer.py", "test_distributed.py"]
+                 "test_sharding.py", "test_api.py", "test_beam.py", "test_knn_ssd.py", "test_bench.py", "test_kernels.py",
+                 "test_specee.py", "test_tokenizer.py", "test_distributed.py"]
 
 
 def pytest_collection_modifyitems(items):

@@ -31,17 +31,17 @@ class Programs:
 
     def __init__(self):
         self._entries: dict = {}  # signature -> [last use, jax.stages.Compiled]
+        _tables.add(self)
 
-    def get(self, signature, compile: Callable[[], jax.stages.Compiled]) -> jax.stages.Compiled:
-        """The program of `signature`, compiled by `compile()` the first time it is asked for (and
+    def get(self, signature, build: Callable[[], jax.stages.Compiled]) -> jax.stages.Compiled:
+        """The program of `signature`, compiled by `build()` the first time it is asked for (and
         again after it was dropped)."""
         entry = self._entries.get(signature)
         if entry is not None:
             entry[0] = next(_clock)
             return entry[1]
-        compiled = compile()
+        compiled = build()
         self._entries[signature] = [next(_clock), compiled]
-        _tables.add(self)
         _sweep()
         return compiled
 
@@ -56,10 +56,9 @@ def alive() -> int:
 
 
 def _sweep() -> None:
-    tables = list(_tables)
-    if sum(len(t._entries) for t in tables) <= LIMIT:
+    if alive() <= LIMIT:
         return
-    by_age = sorted(((used, signature, t) for t in tables for signature, (used, _) in t._entries.items()),
+    by_age = sorted(((used, signature, t) for t in list(_tables) for signature, (used, _) in t._entries.items()),
                     key=lambda entry: entry[0])
     for _, signature, table in by_age[:len(by_age) - KEEP]:
         del table._entries[signature]

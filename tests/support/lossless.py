@@ -1,6 +1,7 @@
 """The greedy lossless tests' shared target: a damped tiny Llama whose drafts are often accepted,
 prompts of very different lengths, an EOS id some rows reach, heads, and `ar`'s tokens to match
-(tests/methods/test_lossless.py, test_bfloat16.py)."""
+(tests/methods/test_lossless.py, test_bfloat16.py; test_sampling.py saves its heads with
+`save_heads`)."""
 
 from __future__ import annotations
 
@@ -90,15 +91,22 @@ def make_spec(tmp_path_factory) -> Spec:
     return Spec(target, draft, free, prompts, ar, free_ar, eos, head_paths)
 
 
-def run(spec: Spec, drafter: str, controller: str = "fixed", *, batch_size: int = 4, max_new_tokens: int = NEW,
-        max_draft: int = K, **options):
-    """Greedy records of spec.prompts under spec.target with a DRAFTERS entry and a CONTROLLERS entry."""
-    opts = {**DRAFTERS[drafter], **CONTROLLERS[controller], **options}
+def method_options(spec: Spec, drafter: str, options: dict) -> tuple[str, dict]:
+    """A DRAFTERS entry with `options` over it, as (method, generate's keyword arguments): its draft
+    model or head is spec's unless `options` names one."""
+    opts = {**DRAFTERS[drafter], **options}
     method = opts.pop("method")
     if method == "draft":
         opts.setdefault("draft_model", spec.draft)
     if method in heads.KINDS:
         opts.setdefault("head", spec.heads[method])
+    return method, opts
+
+
+def run(spec: Spec, drafter: str, controller: str = "fixed", *, batch_size: int = 4, max_new_tokens: int = NEW,
+        max_draft: int = K, **options):
+    """Greedy records of spec.prompts under spec.target with a DRAFTERS entry and a CONTROLLERS entry."""
+    method, opts = method_options(spec, drafter, {**CONTROLLERS[controller], **options})
     return spec.target.generate(spec.prompts, method=method, max_new_tokens=max_new_tokens, batch_size=batch_size,
                                 max_draft=max_draft, **opts)
 
@@ -115,9 +123,6 @@ CANDIDATES = 3
 
 
 def run_candidates(spec: Spec, drafter: str, batch_size: int, candidates: int = CANDIDATES):
-    opts = dict(DRAFTERS[drafter])
-    method = opts.pop("method")
-    if method in heads.KINDS:
-        opts["head"] = spec.heads[method]
+    method, opts = method_options(spec, drafter, {})
     return spec.target.generate(spec.prompts, method=method, max_new_tokens=NEW, batch_size=batch_size,
                                 candidates=candidates, **opts)

@@ -40,7 +40,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout
 
 import jspec  # noqa: E402
-from jspec.api import Model, cache_bytes  # noqa: E402
+from jspec.api import Model  # noqa: E402
+from jspec.memory import cache_bytes  # noqa: E402
 from jspec.bench import hlo, report  # noqa: E402
 from jspec.model.config import ModelConfig  # noqa: E402
 from jspec.model.layout import param_shapes  # noqa: E402

@@ -13,9 +13,9 @@ starts: `seconds` is the wall time of the batch that produced a record, prefill 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
-import math
 import os
 import time
 from typing import Any, Iterable, Iterator, Sequence
@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec import compilation_cache, distributed, methods
-from jspec.batching import Request, batch_rows, batches, pack
+from jspec import compilation_cache, distributed, memory, methods
+from jspec.batching import Request, batch_rows, batches, pack, prompt_bucket
 from jspec.convert import cache as model_cache, store
-from jspec.engine import loop
+from jspec.engine import loop, slots
 from jspec.engine.programs import Programs
 from jspec.engine.sampling import Sampling
 from jspec.errors import JspecError
@@ -39,8 +39,7 @@ from jspec.model.layout import param_shapes
 from jspec.model.numerics import DTYPES, Numerics
 from jspec.tokenizer import Tokenizer
 
-CACHE_ALIGN = 64  # cache lengths are multiples of this: fewer programs
-GIB = 1 << 30
+BATCHING = ("continuous", "static")
 
 Prompt = str | Sequence[dict] | dict
 
@@ -71,57 +70,6 @@ def load(model: str | None = None, dtype: str | None = None, mesh: str | jax.sha
     cfg, params, tokenizer = store.load(path, dtype, shardings)
     default = model is None or model_cache.is_default(meta["source"])
     return Model(cfg, params, tokenizer, mesh, name=model_cache.DEFAULT_MODEL if default else model, numerics=policy)
-
-
-def cache_bytes(cfg: ModelConfig, rows: int, length: int, mesh: jax.sharding.Mesh | None = None,
-                dtype=jnp.float32) -> int:
-    """Bytes one device holds of a batch's KV cache (`KVCache.zeros`: k and v of each layer,
-    [rows, length, kv heads, head dim] in `dtype`), split over `mesh` as `sharding.cache_sharding`
-    splits it."""
-    leaves = jax.tree.leaves(jax.eval_shape(functools.partial(KVCache.zeros, cfg, rows, length, dtype)))
-    share = lambda x: x.shape if mesh is None else sharding.cache_sharding(mesh, x.shape).shard_shape(x.shape)
-    return sum(math.prod(share(x)) * x.dtype.itemsize for x in leaves)
-
-
-def check_cache_fits(rows: int, length: int, need: int, stats: dict | None, freed: int = 0) -> None:
-    """Refuse a KV cache of `need` bytes per device that the memory left free on a device (its
-    `memory_stats()`, once `freed` bytes, the cache kept from the last batch, are freed) cannot
-    hold. A device that reports no limit is not checked. The program's own temporaries, a
-    drafter's cache among them, come on top: passing is no promise that it runs."""
-    if not stats or "bytes_limit" not in stats:
-        return
-    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0) + freed
-    if need > free:
-        raise JspecError(
-            f"the KV cache of {rows} row{'s' * (rows != 1)} x {length} positions needs {need / GIB:.2f} GiB per "
-            f"device but the device has {max(free, 0) / GIB:.2f} GiB free: use a smaller --batch-size or "
-            "--max-new-tokens, shorter prompts, a --mesh with more data or model shards, --kv-cache-dtype bfloat16 or "
-            "--dtype bfloat16 weights")
-
-
-def _memory_stats(mesh: jax.sharding.Mesh | None) -> list[dict | None]:
-    """The memory stats of each device of this process that a cache goes to. A CPU device reports
-    none: its memory is the host's, shared by this process's CPU devices, so each gets its part of
-    what the host has available."""
-    devices = jax.local_devices()[:1] if mesh is None else list(mesh.local_devices)
-    stats = [d.memory_stats() for d in devices]
-    cpus = sum(s is None and d.platform == "cpu" for d, s in zip(devices, stats))
-    host = host_memory_available() if cpus else None
-    return [{"bytes_limit": host // cpus, "bytes_in_use": 0} if s is None and d.platform == "cpu" and host else s
-            for d, s in zip(devices, stats)]
-
-
-def host_memory_available() -> int | None:
-    """Bytes the host can still give this process without swapping (Linux's MemAvailable), or None
-    where the system does not say."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 class Model:
@@ -202,17 +150,23 @@ class Model:
         if not isinstance(chat, bool):
             raise JspecError(f"chat must be True or False, got {chat!r}")
         requests = self.requests(prompts, chat)
-        records = self.stream(requests, method, **options)
-        ran = [r for batch in batches(requests, options.get("batch_size", 1)) for r in batch]
-        by_index = {r.index: record for r, record in zip(ran, records)}
+        by_index = {r.index: record for r, record in self._stream(requests, method, **options)}
         return [by_index[r.index] for r in requests]
 
-    def stream(self, requests: Sequence[Request], method: str = "ar", *, max_new_tokens: int = 128,
-               batch_size: int = 1, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-               seed: int = 0, logprobs: int = 0, **method_options) -> Iterator[dict]:
+    def stream(self, requests: Sequence[Request], method: str = "ar", **options) -> Iterator[dict]:
         """Check everything, then return an iterator of records that runs batch by batch (the CLI
-        writes them as they come). They come in the order of `batches(requests, batch_size)`:
-        the requests' own order at batch size 1, shortest prompts first above it.
+        writes them as they come). Under continuous batching (the default) they come as their rows
+        finish; under static batching in the order of `batches(requests, batch_size)`: the
+        requests' own order at batch size 1, shortest prompts first above it.
+
+        `batching`: "continuous" keeps `batch_size` rows decoding, each taking the next request as
+        soon as its own ends (jspec.engine.slots); a record's `seconds` is then its row's own time,
+        from the call that prefilled it to the end of the call in which it finished (compiles
+        excluded). "static" runs batches of `batch_size` requests sorted by prompt length, each
+        until its longest row ends; `seconds` is its batch's time. At batch size 1 the two are one
+        program. Greedy output is the same under both; a sampled row draws from the same
+        distribution under both, but its draws follow the rows it shared steps with, so only static
+        batching repeats an uninterrupted run's samples on a resume.
 
         `logprobs` = k > 0 adds to each record "top_ids" and "top_logprobs" (NumPy [new_tokens, k]):
         the target's k most likely tokens and their untempered log-probabilities behind each
@@ -220,29 +174,33 @@ class Model:
 
         `method_options` are those of `jspec.methods.build` (max_draft, controller, exit_layer,
         skip_layers, draft_model, threshold, ...); `draft_model` may be a path or a loaded Model.
-        Sampling keys follow the index of each batch's first request, so a resumed run samples
-        what the uninterrupted run would have (for the same batch size).
+        Sampling keys follow the index of each batch's (or admitted group's) first request.
         """
+        return (record for _, record in self._stream(requests, method, **options))
+
+    def _stream(self, requests: Sequence[Request], method: str = "ar", *, max_new_tokens: int = 128,
+                batch_size: int = 1, batching: str = "continuous", temperature: float = 0.0, top_k: int = 0,
+                top_p: float = 1.0, seed: int = 0, logprobs: int = 0,
+                **method_options) -> Iterator[tuple[Request, dict]]:
+        """stream()'s (request, record) pairs."""
         unknown = sorted(method_options.keys() - methods.OPTIONS.keys())
         if unknown:
-            raise JspecError(f"unknown option {unknown[0]!r}; generate takes max_new_tokens, batch_size, temperature, "
-                             "top_k, top_p, seed, logprobs, chat and the options of jspec.methods.build")
-        for name, value in (("temperature", temperature), ("top_p", top_p)):
-            if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, bool):
-                raise JspecError(f"{name} must be a number, got {value!r}")
+            raise JspecError(f"unknown option {unknown[0]!r}; generate takes max_new_tokens, batch_size, batching, "
+                             "temperature, top_k, top_p, seed, logprobs, chat and the options of jspec.methods.build")
+        sampling = Sampling(temperature, top_k, top_p)
         method_options = self.load_models(method, method_options)
         plan = methods.build(method, self, **method_options)
         for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size), ("seed", seed),
-                            ("logprobs", logprobs), ("top_k", top_k)):
+                            ("logprobs", logprobs)):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
                 raise JspecError(f"{name} must be an integer, got {value!r}")
-        if max_new_tokens < 1:
-            raise JspecError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-        if batch_size < 1:
-            raise JspecError(f"--batch-size must be >= 1, got {batch_size}")
+        for flag, value in (("--max-new-tokens", max_new_tokens), ("--batch-size", batch_size)):
+            if value < 1:
+                raise JspecError(f"{flag} must be >= 1, got {value}")
+        if batching not in BATCHING:
+            raise JspecError(f"--batching must be one of {', '.join(BATCHING)}, got {batching!r}")
         if not 0 <= logprobs <= self.cfg.vocab_size:
             raise JspecError(f"logprobs must be in 0..{self.cfg.vocab_size}, got {logprobs}")
-        sampling = Sampling(temperature, top_k, top_p)
         if top_k > self.cfg.vocab_size:
             raise JspecError(f"--top-k must be at most the vocabulary size {self.cfg.vocab_size}, got {top_k}")
         if not 0 <= seed < 2**32:  # jax keeps 32 bits of a seed: 2**32 would sample what 0 does
@@ -253,7 +211,8 @@ class Model:
                 raise JspecError(
                     f"prompt {r.id!r} has {len(r.token_ids)} tokens; with --max-new-tokens {max_new_tokens} "
                     f"that exceeds the model's context of {context}")
-        return self._batches(list(requests), batch_size, max_new_tokens, sampling, seed, plan, logprobs)
+        run = self._continuous if batching == "continuous" and batch_size > 1 else self._batches
+        return run(list(requests), batch_size, max_new_tokens, sampling, seed, plan, logprobs)
 
     def load_models(self, method: str, options: dict) -> dict:
         """`options` with each model option (a draft model) that names a path loaded in this
@@ -264,11 +223,59 @@ class Model:
                   and methods.OPTIONS[name].type == "model" and method in methods.TAKES[name]}
         return {**options, **loaded}
 
-    def _batches(self, requests, batch_size, max_new_tokens, sampling, seed, plan, logprobs) -> Iterator[dict]:
+    def _batches(self, requests, batch_size, max_new_tokens, sampling, seed, plan, logprobs):
         for batch in batches(requests, batch_size):
             key = jax.random.fold_in(jax.random.key(seed), batch[0].index)
-            yield from self.run_batch(batch, self.batch_rows(len(batch), batch_size), max_new_tokens, sampling,
-                                      key, plan, logprobs)
+            records = self.run_batch(batch, self.batch_rows(len(batch), batch_size), max_new_tokens, sampling, key,
+                                     plan, logprobs)
+            yield from zip(batch, records)
+
+    def _continuous(self, requests, batch_size, max_new, sampling, seed, plan, logprobs):
+        """Continuous batching (jspec.engine.slots): `batch_size` rows, each refilled with the next
+        request, in the given order, as soon as its own finished. One cache for the run, as long as
+        its longest prompt needs."""
+        drafter, dparams, _ = plan
+        rows = self.batch_rows(len(requests), batch_size)
+        length = memory.cache_length(max(prompt_bucket(len(r.token_ids)) for r in requests), max_new, drafter.max_draft)
+        eos = self._eos()
+        run = functools.partial(self._run_program, plan=plan, max_new=max_new, sampling=sampling, logprobs=logprobs)
+        queue = collections.deque(requests)
+        held: list[Request | None] = [queue.popleft() for _ in range(min(rows, len(queue)))]
+        tokens, packing = self.pack(held, rows)
+        held += [None] * (rows - len(held))
+        key = jax.random.fold_in(jax.random.key(seed), held[0].index)
+        active = np.asarray([r is not None for r in held])
+        s, began = run(slots.fill, rows, packing.bucket, length, self._cache(rows, length),
+                       *self._place(tokens, packing), self._rows(active), eos, key)
+        began = [began] * rows
+        while True:
+            idle = np.asarray([r is None for r in held])
+            (s, done, out, stats), _ = run(slots.advance, rows, None, length, s, eos, self._rows(idle), np.int32(1))
+            done, out, stats = distributed.gather((done, out, stats))
+            now = self.clock()
+            for i in np.flatnonzero(done & ~idle):
+                yield held[i], self._record(held[i], i, out, stats, now - began[i], drafter)
+                held[i] = None
+            free = [i for i, r in enumerate(held) if r is None]
+            if not queue and len(free) == rows:
+                break
+            # One prompt an admit: a program per prompt bucket, where groups would need one per
+            # (rows, packed length, bucket); a prefill costs its tokens on a CPU either way.
+            for i in free[:len(queue)]:
+                held[i] = queue.popleft()
+                tokens, packing = self.pack([held[i]], 1)
+                key = jax.random.fold_in(jax.random.key(seed), held[i].index)
+                s, began[i] = run(slots.admit, 1, packing.bucket, length, s, *self._place(tokens, packing),
+                                  self._everywhere(np.asarray([i], np.int32)), eos, key)
+        self._caches[(rows, length)] = s.cache
+
+    def _run_program(self, program, rows, bucket, length, *args, plan, max_new, sampling, logprobs):
+        """program(params, dparams, *args), compiled if need be: its result, and the clock when the
+        call began."""
+        args = (self.params, plan[1], *args)
+        fn = self._program(program, rows, bucket, length, args, max_new, sampling, plan, logprobs)
+        began = self.clock()
+        return fn(*args), began
 
     def batch_rows(self, n: int, batch_size: int) -> int:
         return batch_rows(n, batch_size, 1 if self.mesh is None else self.mesh.shape["data"])
@@ -296,29 +303,25 @@ class Model:
         no checks (`stream` makes them)."""
         drafter, dparams, _ = plan
         tokens, packing = self.pack(batch, rows)
-        s = -(-(packing.bucket + max_new + drafter.max_draft + 1) // CACHE_ALIGN) * CACHE_ALIGN
-        eos = np.asarray(self.cfg.eos_token_ids or (-1,), np.int32)
-        args = self._place(tokens, packing, eos)
-        cache = self._cache(rows, s)
-        fn = self._compile(rows, tokens.shape[1], s, max_new, sampling, plan, cache, args, key, logprobs)
-        t0 = time.perf_counter()
-        out, stats, cache = fn(self.params, dparams, cache, *args, key)
+        length = memory.cache_length(packing.bucket, max_new, drafter.max_draft)
+        eos = self._eos()
+        args = (self.params, dparams, self._cache(rows, length), *self._place(tokens, packing), eos, key)
+        fn = self._program(loop.generate, rows, packing.bucket, length, args, max_new, sampling, plan, logprobs)
+        t0 = self.clock()
+        out, stats, cache = fn(*args)
         out, stats = distributed.gather((out, stats))
-        seconds = time.perf_counter() - t0
-        self._caches[(rows, s)] = cache
-        top = {name: stats.pop(name) for name in ("top_ids", "top_logprobs") if name in stats}
-        finite = stats.pop("finite")
-        if not finite[:len(batch)].all():
-            first = batch[int(np.argmin(finite[:len(batch)]))]
-            raise JspecError(f"the model's first logits for prompt {first.id!r} are not finite numbers (NaN or "
-                             f"infinity): its weights or its dtypes ({self.dtype} weights, {self.numerics.activations} "
-                             "activations) cannot run it")
-        records = [self._record(r, out[i, :stats["new_tokens"][i]], {k: v[i].tolist() for k, v in stats.items()},
-                                seconds) for i, r in enumerate(batch)]
-        for i, record in enumerate(records):
-            record["stats"].update(drafter.record_stats({k: v[i].tolist() for k, v in stats.items()}))
-            record.update({name: x[i, :record["new_tokens"]] for name, x in top.items()})
-        return records
+        seconds = self.clock() - t0
+        self._caches[(rows, length)] = cache
+        return [self._record(r, i, out, stats, seconds, drafter) for i, r in enumerate(batch)]
+
+    @property
+    def compile_seconds(self) -> float:
+        """Seconds spent compiling this model's programs so far."""
+        return self._programs.build_seconds
+
+    def clock(self) -> float:
+        """Seconds, less those spent compiling this model's programs: what records' `seconds` count."""
+        return time.perf_counter() - self.compile_seconds
 
     def pack(self, batch: Sequence[Request], rows: int) -> tuple[np.ndarray, Packing]:
         """The batch's prompts packed for its prefill (`pack`), one packed row per data shard (one
@@ -329,35 +332,34 @@ class Model:
         shards = 1 if self.mesh is None else self.mesh.shape["data"]
         return pack(prompts, shards if rows % shards == 0 else 1)
 
-    def _place(self, tokens, packing, eos):
+    def _place(self, tokens, packing):
+        """A batch's packed tokens and Packing, split by rows over the mesh's data axis."""
+        return self._rows(tokens), jax.tree.map(self._rows, packing)
+
+    def _rows(self, x: np.ndarray) -> jax.Array:
+        """Per-row host data [B, ...], split over the mesh's data axis."""
         if self.mesh is None:
-            return jnp.asarray(tokens), jax.tree.map(jnp.asarray, packing), jnp.asarray(eos)
-        rows = lambda x: distributed.rows_array(x, sharding.rows_sharding(self.mesh, x.shape))
-        return (rows(tokens), jax.tree.map(rows, packing),
-                distributed.rows_array(eos, sharding.replicated(self.mesh)))
+            return jnp.asarray(x)
+        return distributed.rows_array(x, sharding.rows_sharding(self.mesh, x.shape))
+
+    def _eos(self) -> jax.Array:
+        """The ids a row stops at [E], on every device (-1, which no token is, for a model with none)."""
+        return self._everywhere(np.asarray(self.cfg.eos_token_ids or (-1,), np.int32))
+
+    def _everywhere(self, x: np.ndarray) -> jax.Array:
+        """Host data every device holds whole."""
+        return jnp.asarray(x) if self.mesh is None else distributed.rows_array(x, sharding.replicated(self.mesh))
 
     def _cache(self, rows: int, length: int) -> KVCache:
         """The cache of a batch of `rows` x `length`: the last batch's where its shape is the same (the
-        loop donates it, so it is written in place), else a new one, checked to fit the device and
-        made once the last batch's is freed. One cache is alive at a time."""
+        loop donates it, so it is written in place), else a new one (`memory.replace_cache`). One
+        cache is alive at a time."""
         cache = self._caches.pop((rows, length), None)
         if cache is not None:
             return cache
-        dtype = self.numerics.kv_cache_dtype
-        need = cache_bytes(self.cfg, rows, length, self.mesh, dtype)
-        freed = sum(cache_bytes(self.cfg, *shape, self.mesh, dtype) for shape in self._caches)
-        for stats in _memory_stats(self.mesh):
-            check_cache_fits(rows, length, need, stats, freed)
-        for old in self._caches.values():
-            for x in jax.tree.leaves(old):
-                x.delete()  # now, not whenever the last reference goes: before the new one is made
+        cache = memory.replace_cache(self.cfg, rows, length, self.mesh, self.numerics.kv_cache_dtype, self._caches)
         self._caches.clear()
-        zeros = functools.partial(KVCache.zeros, self.cfg, rows, length, dtype)
-        if self.mesh is None:
-            return zeros()
-        # made in place on each device: a multi-process mesh has devices this process cannot feed
-        shape = (rows, length, self.cfg.num_kv_heads, self.cfg.head_dim)
-        return jax.jit(zeros, out_shardings=sharding.cache_sharding(self.mesh, shape))()
+        return cache
 
     def programs(self) -> dict:
         """The decoding programs compiled so far (jax.stages.Compiled), by their signature:
@@ -365,29 +367,36 @@ class Model:
         numerics, platform), as many as this process keeps (jspec.engine.programs)."""
         return self._programs.compiled()
 
-    def _compile(self, rows, p, s, max_new, sampling, plan, cache, args, key, logprobs):
+    def _program(self, program, rows, bucket, length, args, max_new, sampling, plan, logprobs):
+        """`program` (loop.generate, or one of jspec.engine.slots') compiled for args (params, dparams,
+        then its own), or the one kept from before."""
         drafter, dparams, controller = plan
         shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(dparams))
-        sig = (rows, p, s, max_new, sampling, drafter, controller, jax.tree.structure(dparams), shapes, logprobs,
-               self.numerics, self.platform)
+        sig = (rows, bucket, length, max_new, sampling, drafter, controller, jax.tree.structure(dparams), shapes,
+               logprobs, program.__name__, self.numerics, self.platform)
 
         def build():
             several = self.mesh is not None and self.mesh.devices.size > 1
             with kernels.off() if several else contextlib.nullcontext():
-                lowered = loop.generate.lower(self.params, dparams, cache, *args, key, cfg=self.cfg, sampling=sampling,
-                                              max_new_tokens=max_new, drafter=drafter, controller=controller,
-                                              logprobs=logprobs, numerics=self.numerics, platform=self.platform)
+                lowered = program.lower(*args, cfg=self.cfg, sampling=sampling, max_new_tokens=max_new,
+                                        drafter=drafter, controller=controller, logprobs=logprobs,
+                                        numerics=self.numerics, platform=self.platform, mesh=self.mesh)
             return lowered.compile()
 
         return self._programs.get(sig, build)
 
-    def _record(self, req: Request, ids: np.ndarray, stats: dict, seconds: float) -> dict:
-        ids = [int(t) for t in ids]
-        text = self.tokenizer.decode(ids) if self.tokenizer is not None else None
-        new = len(ids)
+    def _record(self, req: Request, i: int, out, stats: dict, seconds: float, drafter) -> dict:
+        """The record of row i of a program's outputs (out [B, max_new], stats of [B, ...])."""
+        if not stats["finite"][i]:
+            raise JspecError(f"the model's first logits for prompt {req.id!r} are not finite numbers (NaN or "
+                             f"infinity): its weights or its dtypes ({self.dtype} weights, {self.numerics.activations} "
+                             "activations) cannot run it")
+        new = int(stats["new_tokens"][i])
+        row = {k: v[i].tolist() for k, v in stats.items() if k not in ("top_ids", "top_logprobs", "finite")}
+        ids = [int(t) for t in out[i, :new]]
         return {
             "id": req.id,
-            "text": text,
+            "text": self.tokenizer.decode(ids) if self.tokenizer is not None else None,
             "token_ids": ids,
             "new_tokens": new,
             "prompt_tokens": len(req.token_ids),
@@ -395,19 +404,13 @@ class Model:
             "tokens_per_second": round(new / seconds, 3) if seconds > 0 else None,
             "numerics": self.policy(),
             "stats": {
-                "rounds": stats["rounds"],
-                "drafted": stats["drafted"],
-                "accepted": stats["accepted"],
-                "mean_accepted_tokens": round(new / max(stats["rounds"], 1), 4),
-                "acceptance_rate": round(stats["accepted"] / stats["drafted"], 4) if stats["drafted"] else None,
+                "rounds": row["rounds"],
+                "batch_rounds": row["batch_rounds"],
+                "drafted": row["drafted"],
+                "accepted": row["accepted"],
+                "mean_accepted_tokens": round(new / max(row["rounds"], 1), 4),
+                "acceptance_rate": round(row["accepted"] / row["drafted"], 4) if row["drafted"] else None,
+                **drafter.record_stats(row),
             },
+            **{name: stats[name][i, :new] for name in ("top_ids", "top_logprobs") if name in stats},
         }
-
-
-def steady_run(model, run):
-    """`run()`, and once more if it compiled a program: a program's first run pays for its first
-    execution (a second or more on a long prompt's bucket), so the second run is the one to time.
-    For scripts that time runs one by one; `run_jspec` warms each program before its clock instead."""
-    programs = len(model.programs())
-    out = run()
-    return run() if len(model.programs()) > programs else out

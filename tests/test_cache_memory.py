@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import TINY
 
-from jspec import api
+from jspec import memory
 from jspec.batching import prompt_bucket
 from jspec.errors import JspecError
 from jspec.model import sharding
@@ -24,7 +24,7 @@ LENGTHS = (20, 50, 100, 200, 300, 400)
 
 def cache_length(n: int) -> int:
     """The cache length `Model.run_batch` gives a one-row `ar` batch of an n-token prompt."""
-    return -(-(prompt_bucket(n) + NEW + 1) // api.CACHE_ALIGN) * api.CACHE_ALIGN
+    return -(-(prompt_bucket(n) + NEW + 1) // memory.CACHE_ALIGN) * memory.CACHE_ALIGN
 
 
 def cache_arrays(model) -> list[jax.Array]:
@@ -47,7 +47,7 @@ def test_one_cache_alive_across_shapes(tiny_llama):
     layers = model.cfg.num_layers
     assert len(after) == 2 * layers, sorted(x.shape[1] for x in after)
     assert {x.shape[1] for x in after} == {lengths[-1]}
-    assert sum(x.nbytes for x in after) == api.cache_bytes(model.cfg, 1, lengths[-1])
+    assert sum(x.nbytes for x in after) == memory.cache_bytes(model.cfg, 1, lengths[-1])
     # A batch of a shape seen before reuses the kept cache or replaces it; still one alive.
     model.generate(prompts[:1], max_new_tokens=NEW)
     after = [x for x in cache_arrays(model) if not any(x is y for y in before)]
@@ -57,24 +57,24 @@ def test_one_cache_alive_across_shapes(tiny_llama):
 def test_cache_bytes(tiny_llama):
     cfg = tiny_llama.cfg
     # k and v, per layer, [rows, length, kv heads, head dim] in float32.
-    assert api.cache_bytes(cfg, 4, 128) == 2 * cfg.num_layers * 4 * 128 * cfg.num_kv_heads * cfg.head_dim * 4
+    assert memory.cache_bytes(cfg, 4, 128) == 2 * cfg.num_layers * 4 * 128 * cfg.num_kv_heads * cfg.head_dim * 4
     # On a mesh, a device holds its share: rows split over data, kv heads (2) over model.
     for spec, share in (("data=2", 2), ("model=2", 2), ("data=2,model=2", 4), ("data=4,model=2", 8)):
         mesh = sharding.make_mesh(spec)
-        assert api.cache_bytes(cfg, 4, 128, mesh) * share == api.cache_bytes(cfg, 4, 128), spec
+        assert memory.cache_bytes(cfg, 4, 128, mesh) * share == memory.cache_bytes(cfg, 4, 128), spec
     # Rows or kv heads that do not divide over an axis are kept whole on each device.
-    assert api.cache_bytes(cfg, 3, 128, sharding.make_mesh("data=2")) == api.cache_bytes(cfg, 3, 128)
-    assert api.cache_bytes(cfg, 4, 128, sharding.make_mesh("model=4")) == api.cache_bytes(cfg, 4, 128)
+    assert memory.cache_bytes(cfg, 3, 128, sharding.make_mesh("data=2")) == memory.cache_bytes(cfg, 3, 128)
+    assert memory.cache_bytes(cfg, 4, 128, sharding.make_mesh("model=4")) == memory.cache_bytes(cfg, 4, 128)
 
 
 def test_fit_check():
     stats = {"bytes_limit": 16 * GIB, "bytes_in_use": 10 * GIB}
-    api.check_cache_fits(8, 4096, 6 * GIB, stats)  # exactly what is free
-    api.check_cache_fits(8, 4096, 9 * GIB, stats, freed=3 * GIB)  # once the kept cache is freed
-    api.check_cache_fits(8, 4096, 1000 * GIB, None)  # a CPU reports no memory: nothing to check
-    api.check_cache_fits(8, 4096, 1000 * GIB, {"bytes_in_use": 10 * GIB})  # nor without a limit
+    memory.check_cache_fits(8, 4096, 6 * GIB, stats)  # exactly what is free
+    memory.check_cache_fits(8, 4096, 9 * GIB, stats, freed=3 * GIB)  # once the kept cache is freed
+    memory.check_cache_fits(8, 4096, 1000 * GIB, None)  # a CPU reports no memory: nothing to check
+    memory.check_cache_fits(8, 4096, 1000 * GIB, {"bytes_in_use": 10 * GIB})  # nor without a limit
     with pytest.raises(JspecError) as e:
-        api.check_cache_fits(8, 4096, 9 * GIB, stats, freed=2 * GIB)
+        memory.check_cache_fits(8, 4096, 9 * GIB, stats, freed=2 * GIB)
     message = str(e.value)
     assert "\n" not in message
     assert "8 rows x 4096 positions" in message and "9.00 GiB" in message and "8.00 GiB free" in message
@@ -86,9 +86,9 @@ def test_too_large_cache_refused_before_allocating(tiny_llama, monkeypatch):
     """With the device reporting too little memory, a batch fails with the fit error, and neither a
     cache nor a program is made for it."""
     model = tiny_llama.jspec_model(eos_token_ids=())
-    need = api.cache_bytes(model.cfg, 1, cache_length(20))
+    need = memory.cache_bytes(model.cfg, 1, cache_length(20))
     stats = {"bytes_limit": need - 1, "bytes_in_use": 0}
-    monkeypatch.setattr(api, "_memory_stats", lambda mesh: [stats])
+    monkeypatch.setattr(memory, "memory_stats", lambda mesh: [stats])
     before = cache_arrays(model)
     with pytest.raises(JspecError, match="1 row x 64 positions"):
         model.generate([{"token_ids": [1] * 20}], max_new_tokens=NEW)
@@ -100,9 +100,9 @@ def test_a_cpu_cache_is_checked_against_the_hosts_memory(tiny_llama, monkeypatch
     """A CPU reports no memory stats: the host's available memory, shared by the process's CPU
     devices, is what a cache must fit (a batch too large fails in one line, not in the OOM killer)."""
     model = tiny_llama.jspec_model(eos_token_ids=())
-    need = api.cache_bytes(model.cfg, 1, cache_length(20))
-    monkeypatch.setattr(api, "host_memory_available", lambda: need - 1)
+    need = memory.cache_bytes(model.cfg, 1, cache_length(20))
+    monkeypatch.setattr(memory, "host_memory_available", lambda: need - 1)
     with pytest.raises(JspecError, match="1 row x 64 positions"):
         model.generate([{"token_ids": [1] * 20}], max_new_tokens=NEW)
-    monkeypatch.setattr(api, "host_memory_available", lambda: need)
+    monkeypatch.setattr(memory, "host_memory_available", lambda: need)
     assert len(model.generate([{"token_ids": [1] * 20}], max_new_tokens=NEW)[0]["token_ids"]) == NEW

@@ -24,7 +24,7 @@ import jax
 
 import jspec
 from jspec import methods, prompt_sets
-from jspec.api import steady_run
+from jspec.engine.programs import steady_run
 from jspec.bench.specs import read_bench_prompts
 from jspec.engine.sampling import Sampling
 from jspec.parts import knn

@@ -24,7 +24,7 @@ import time
 
 import jspec
 from jspec import prompt_sets
-from jspec.api import steady_run
+from jspec.engine.programs import steady_run
 from jspec.bench import quality
 from jspec.bench.specs import parse_methods, read_bench_prompts
 

@@ -81,7 +81,7 @@ def run_jspec(model, spec: MethodSpec, options: dict, chunk: list, requests: lis
     tokens, packing = model.pack(batch, rows)
     shape = (spec.label, rows, tokens.shape, packing.bucket)  # the program `run` compiles
     run = lambda: list(model.stream(requests, spec.name, max_new_tokens=args.max_new_tokens,  # noqa: E731
-                                    batch_size=batch_size, **options))
+                                    batch_size=batch_size, batching="static", **options))
     if shape not in warmed:  # compile (before the clock) and run once untimed
         run()
         warmed.add(shape)

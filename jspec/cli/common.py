@@ -103,8 +103,10 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
                    help="tokens to generate per prompt at most (default: %(default)s)")
     g.add_argument("--batch-size", type=int, default=1, metavar="N",
-                   help="prompts per compiled call, batched by length; the output keeps the prompts' "
-                        "order (default: %(default)s)")
+                   help="rows decoded together; the output keeps the prompts' order (default: %(default)s)")
+    g.add_argument("--batching", choices=("continuous", "static"), default="continuous",
+                   help="continuous: a row that finishes takes the next prompt at once; static: batches of "
+                        "prompts sorted by length, each until its longest row ends (default: %(default)s)")
     g.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="sampling temperature: 0 is greedy, otherwise at least 1e-6 (default: %(default)s)")
     g.add_argument("--top-k", type=int, default=0, metavar="K",
@@ -135,7 +137,8 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
 def generation_options(args: argparse.Namespace) -> dict:
     """The keyword arguments of `Model.stream` (after the requests and the method)."""
     given = {name: getattr(args, name) for name, o in methods.OPTIONS.items() if o.flag}
-    return dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, temperature=args.temperature,
+    return dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, batching=args.batching,
+                temperature=args.temperature,
                 top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                 **{k: v for k, v in given.items() if v is not None})
 

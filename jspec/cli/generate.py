@@ -1,12 +1,11 @@
 """`jspec generate`: text for one prompt (the answer on stdout, the speed on stderr), or one record
-per prompt of a JSONL file, written batch by batch and resumable (jspec.jsonl.RecordWriter says
+per prompt of a JSONL file, each written as its row finishes, and resumable (jspec.jsonl.RecordWriter says
 what happens to the files). Each record carries `prompt_sha256` (`jspec.jsonl.prompt_digest`), so that a
 resume refuses records whose prompt was edited since."""
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 
@@ -17,7 +16,7 @@ from jspec.jsonl import check_not_prompts, prompt_digest
 
 HELP = "generate text for one prompt or a JSONL file of prompts"
 DESCRIPTION = ("Generate text for one PROMPT (the answer goes to stdout, the speed to stderr) or for every prompt "
-               "of a JSONL file (one record per prompt, written batch by batch to OUT.partial and renamed to OUT "
+               "of a JSONL file (one record per prompt, written to OUT.partial as it is made and renamed to OUT "
                "when the run completes).")
 
 
@@ -169,16 +168,16 @@ def _write_records(args: argparse.Namespace, prompts: list[dict], options: dict,
             requests = [model.requests([p], chat=not args.no_chat, start=i)[0]
                         for i, (p, d) in enumerate(zip(prompts, done)) if not d]
             records = model.stream(requests, args.method, **options)
+            began = model.clock()  # compiles left out, as in the records' own seconds
             # delay: a bad prompt found before the first batch (too long, say) fails without a bar.
             with tqdm(total=len(prompts), initial=len(prompts) - len(todo), unit="prompt", file=sys.stderr,
                       disable=len(prompts) <= 1 or not distributed.is_writer(), delay=0.5,
                       dynamic_ncols=True) as bar:
-                records = iter(records)
-                while batch := list(itertools.islice(records, args.batch_size)):  # one decoding batch
-                    writer.write([{**r, "prompt_sha256": digests[r["id"]]} for r in batch])
-                    bar.update(len(batch))
-                    tokens += sum(r["new_tokens"] for r in batch)
-                    seconds += batch[0]["seconds"]
+                for r in records:  # each made durable as it comes
+                    writer.write([{**r, "prompt_sha256": digests[r["id"]]}])
+                    bar.update(1)
+                    tokens += r["new_tokens"]
+            seconds = model.clock() - began
         path = writer.finish(order=[p["id"] for p in prompts])
     except BaseException as e:
         if writer.count:

@@ -71,7 +71,7 @@ class SpecEEState:
     exited: jax.Array  # [B] bool
     recent: jax.Array  # [B, RECENT] the last exit depths
     exits: jax.Array  # [B, L + 1] tokens per exit depth
-    valid: jax.Array | None = None  # "mask": [L - N, B, S] which deep-layer entries exist
+    valid: jax.Array | None = None  # "mask": [B, L - N, S] which deep-layer entries exist
     fed: jax.Array | None = None  # behind lookup (`copies`): bool scalar, this round copied
 
 
@@ -90,7 +90,7 @@ class SpecEE(Drafter):
         head_kv = heads.Head().prefill(dparams.head, cfg, h, packing, cache.length)
         h, cache = decoder.run_layers(params, cfg, h, packing, cache, range(n, cfg.num_layers))
         # Positions past a row's are masked anyway: every entry of "mask"'s map starts as present.
-        valid = jnp.ones((cfg.num_layers - n, b, cache.length), bool) if self.kv == "mask" else None
+        valid = jnp.ones((b, cfg.num_layers - n, cache.length), bool) if self.kv == "mask" else None
         dstate = SpecEEState(head=head_kv, hidden=jnp.zeros((b, 1, cfg.hidden_size), h.dtype),
                              token=jnp.zeros((b,), jnp.int32), exited=jnp.zeros((b,), bool),
                              recent=jnp.full((b, RECENT), -100, jnp.int32),
@@ -131,7 +131,7 @@ class SpecEE(Drafter):
             lp, anyone = params["layers"][d], jnp.any(going)
             project = functools.partial(decoder.qkv, cfg, lp, cos=cos, sin=sin)
             if self.kv == "mask":
-                valid.append(s.dstate.valid[d - n].at[jnp.arange(b), s.length].set(going))
+                valid.append(s.dstate.valid[:, d - n].at[jnp.arange(b), s.length].set(going))
                 skipped = functools.partial(decoder.zeros_of, project)
             else:
                 skipped = functools.partial(_kv_only, cfg, lp, dparams.kv[d - n], cos, sin)
@@ -147,7 +147,7 @@ class SpecEE(Drafter):
         dstate = dataclasses.replace(
             s.dstate, head=head_kv, hidden=s.dstate.hidden.at[:, 0].set(h[:, 0]), token=token,
             exited=(depth < depth_count) | ~live, recent=recent, exits=exits,
-            valid=jnp.stack(valid) if valid else s.dstate.valid,
+            valid=jnp.stack(valid, axis=1) if valid else s.dstate.valid,
             fed=None if s.dstate.fed is None else jnp.zeros((), bool))
         return Draft(jnp.zeros((b, 0), jnp.int32), None, jnp.zeros((b,), jnp.int32), decoder.KVCache(k, v),
                      dstate, s.cstate)

@@ -23,12 +23,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jspec.engine import acceptance
 from jspec.engine.sampling import Sampling, next_token
 from jspec.engine.state import LoopState
 from jspec.engine.width import verify_widths, width_index
-from jspec.model import decoder
+from jspec.model import decoder, sharding
 from jspec.model.config import ModelConfig
 from jspec.model.numerics import Numerics, tracing
 
@@ -70,11 +71,13 @@ def _chain_rule(drafter, d, target_logits, sampling: Sampling, key):
     return acceptance.rejection(d.tokens, d.probs, d.n, target_logits, sampling, key)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "max_new_tokens", "drafter", "controller",
-                                             "logprobs", "numerics", "platform"), donate_argnames=("cache",))
+STATIC = ("cfg", "sampling", "max_new_tokens", "drafter", "controller", "logprobs", "numerics", "platform", "mesh")
+
+
+@functools.partial(jax.jit, static_argnames=STATIC, donate_argnames=("cache",))
 def generate(params, dparams, cache: decoder.KVCache, tokens, packing: decoder.Packing, eos_ids, key, *,
              cfg: ModelConfig, sampling: Sampling, max_new_tokens: int, drafter, controller, logprobs: int = 0,
-             numerics: Numerics = Numerics(), platform: str = "cpu"):
+             numerics: Numerics = Numerics(), platform: str = "cpu", mesh: Mesh | None = None):
     """tokens [R, T]: B prompts packed as `packing` says (jspec.batching.pack); eos_ids [E].
 
     Returns (out [B, max_new_tokens] with -1 past each row's end, stats dict of [B] arrays, cache).
@@ -84,34 +87,60 @@ def generate(params, dparams, cache: decoder.KVCache, tokens, packing: decoder.P
     teacher-forced forward over prompt + output would give, without running one). `platform`, the
     one the program is for, chooses the verification widths (jspec.engine.width.verify_widths) and
     the decoder's paths; `numerics` its activation dtype and matmul precision (the cache's dtype is
-    the cache's own).
+    the cache's own). On a `mesh` the returned cache is split as jspec.model.sharding.cache_sharding
+    splits it: the next batch of its shape takes it back (donated) as that batch's program expects.
     """
     with tracing(numerics, platform):
-        return _generate(params, dparams, cache, tokens, packing, eos_ids, key, cfg, sampling, max_new_tokens,
-                         drafter, controller, logprobs, platform)
+        run = Run(cfg, sampling, max_new_tokens, drafter, controller, logprobs, platform)
+        s = run.start(params, dparams, cache, tokens, packing, eos_ids, key)
+        s = jax.lax.while_loop(lambda s: ~jnp.all(s.done), functools.partial(run.round, params, dparams, eos_ids), s)
+        return (*run.finish(s), sharding.pin_cache(s.cache, mesh))
 
 
-def _generate(params, dparams, cache, tokens, packing, eos_ids, key, cfg, sampling, max_new_tokens, drafter,
-              controller, logprobs, platform):
-    prompt_lens = packing.lens
-    b, p, k = prompt_lens.shape[0], packing.bucket, drafter.max_draft
-    prompts = jnp.where(jnp.arange(p)[None, :] < prompt_lens[:, None], packing.unpack(tokens), 0)
-    seq = jnp.zeros((b, cache.length), jnp.int32).at[:, :p].set(prompts)
-    h, cache, dstate = drafter.prefill(params, dparams, cfg, tokens, packing, cache)
-    key, sub = jax.random.split(key)
-    first_logits = decoder.logits(params, cfg, h)
-    first = next_token(first_logits, sampling, sub)
-    zeros = jnp.zeros((b,), jnp.int32)
-    top = None
-    if logprobs:
-        top = tuple(jnp.zeros((b, max_new_tokens, logprobs), x.dtype).at[:, 0].set(x)
-                    for x in top_logprobs(first_logits, logprobs))
-    s = LoopState(cache=cache, seq=seq.at[jnp.arange(b), prompt_lens].set(first), last=first,
-                  length=prompt_lens, n=jnp.ones((b,), jnp.int32),
-                  done=jnp.isin(first, eos_ids) | (max_new_tokens == 1), key=key, rounds=jnp.ones((b,), jnp.int32),
-                  drafted=zeros, accepted=zeros, dstate=dstate, cstate=controller.init(b, k), top=top)
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """The static half of a decoding program (what it is compiled for); its three stages are
+    `start` (prefill and first token), `round` (one draft / verify / accept round) and `finish`
+    (the outputs). `generate` chains them for one batch; jspec.engine.slots runs them for a batch
+    whose rows are refilled as they finish."""
 
-    def round_(s: LoopState) -> LoopState:
+    cfg: ModelConfig
+    sampling: Sampling
+    max_new_tokens: int
+    drafter: object
+    controller: object
+    logprobs: int
+    platform: str
+
+    def start(self, params, dparams, cache, tokens, packing, eos_ids, key) -> LoopState:
+        """Prefill B prompts into `cache` (B rows) and emit each one's first token."""
+        drafter, max_new_tokens, logprobs = self.drafter, self.max_new_tokens, self.logprobs
+        prompt_lens = packing.lens
+        b, p, k = prompt_lens.shape[0], packing.bucket, drafter.max_draft
+        prompts = jnp.where(jnp.arange(p)[None, :] < prompt_lens[:, None], packing.unpack(tokens), 0)
+        seq = jnp.zeros((b, cache.length), jnp.int32).at[:, :p].set(prompts)
+        h, cache, dstate = drafter.prefill(params, dparams, self.cfg, tokens, packing, cache)
+        key, sub = jax.random.split(key)
+        first_logits = decoder.logits(params, self.cfg, h)
+        first = next_token(first_logits, self.sampling, sub)
+        zeros = jnp.zeros((b,), jnp.int32)
+        top = None
+        if logprobs:
+            top = tuple(jnp.zeros((b, max_new_tokens, logprobs), x.dtype).at[:, 0].set(x)
+                        for x in top_logprobs(first_logits, logprobs))
+        # "finite": whether each row's first logits were all finite numbers (NaN weights decode one
+        # token over and over, without a word otherwise).
+        return LoopState(cache=cache, seq=seq.at[jnp.arange(b), prompt_lens].set(first), last=first,
+                         length=prompt_lens, n=jnp.ones((b,), jnp.int32),
+                         done=jnp.isin(first, eos_ids) | (max_new_tokens == 1), key=key,
+                         rounds=jnp.ones((b,), jnp.int32), drafted=zeros, accepted=zeros, dstate=dstate,
+                         cstate=self.controller.init(b, k), prompt=prompt_lens,
+                         finite=jnp.isfinite(first_logits).all(axis=-1), steps=jnp.zeros((), jnp.int32), top=top)
+
+    def round(self, params, dparams, eos_ids, s: LoopState) -> LoopState:
+        """One round: draft, verify, accept, emit, in every row (a done row's results are dropped)."""
+        cfg, sampling, drafter, controller = self.cfg, self.sampling, self.drafter, self.controller
+        b, k, logprobs = s.last.shape[0], drafter.max_draft, self.logprobs
         key, k_draft, k_accept = jax.random.split(s.key, 3)
         live = ~s.done
         d = drafter.draft(params, dparams, cfg, s, controller, sampling, k_draft)
@@ -121,7 +150,7 @@ def _generate(params, dparams, cache, tokens, packing, eos_ids, key, cfg, sampli
         if d.verified is not None:
             (h, target_logits), cache = d.verified, d.cache
         else:
-            widths = verify_widths(k, platform)
+            widths = verify_widths(k, self.platform)
             width = decoder.Width(widths, width_index(widths, jnp.max(jnp.where(live, d.n, 0))))
             at = positions
             if drafter.candidates:  # alternatives all sit at length + 1; chains too only where the Draft says
@@ -153,19 +182,19 @@ def _generate(params, dparams, cache, tokens, packing, eos_ids, key, cfg, sampli
         emitted = emitted.at[jnp.arange(b), n_acc].set(nxt)
         cstate = controller.update(d.cstate, d.n, n_acc, live)
         dstate = drafter.accepted(params, dparams, cfg, dstate, fed, positions, h, n_acc)
-        s = dataclasses.replace(s, cache=cache, key=key, dstate=dstate, cstate=cstate,
+        s = dataclasses.replace(s, cache=cache, key=key, dstate=dstate, cstate=cstate, steps=s.steps + 1,
                                 rounds=s.rounds + live, drafted=s.drafted + live * d.n,
                                 accepted=s.accepted + live * n_acc)
         top = top_logprobs(target_logits, logprobs) if logprobs else None
-        return _emit(s, emitted, n_acc + 1, eos_ids, max_new_tokens, top)
+        return _emit(s, emitted, n_acc + 1, eos_ids, self.max_new_tokens, top)
 
-    s = jax.lax.while_loop(lambda s: ~jnp.all(s.done), round_, s)
-    idx = prompt_lens[:, None] + jnp.arange(max_new_tokens)[None, :]
-    out = jnp.take_along_axis(s.seq, jnp.minimum(idx, cache.length - 1), axis=1)
-    out = jnp.where(jnp.arange(max_new_tokens)[None, :] < s.n[:, None], out, -1)
-    # "finite": whether each row's first logits were all finite numbers (NaN weights decode one
-    # token over and over, without a word otherwise).
-    stats = {"new_tokens": s.n, "finite": jnp.isfinite(first_logits).all(axis=-1), "rounds": s.rounds,
-             "drafted": s.drafted, "accepted": s.accepted,
-             **drafter.stats(s.dstate), **(dict(zip(("top_ids", "top_logprobs"), s.top)) if logprobs else {})}
-    return out, stats, s.cache
+    def finish(self, s: LoopState):
+        """(out [B, max_new_tokens] with -1 past each row's end, stats dict of [B] arrays)."""
+        max_new_tokens = self.max_new_tokens
+        idx = s.prompt[:, None] + jnp.arange(max_new_tokens)[None, :]
+        out = jnp.take_along_axis(s.seq, jnp.minimum(idx, s.seq.shape[1] - 1), axis=1)
+        out = jnp.where(jnp.arange(max_new_tokens)[None, :] < s.n[:, None], out, -1)
+        stats = {"new_tokens": s.n, "finite": s.finite, "rounds": s.rounds, "drafted": s.drafted,
+                 "accepted": s.accepted, "batch_rounds": jnp.broadcast_to(s.steps, s.n.shape), **self.drafter.stats(s.dstate),
+                 **(dict(zip(("top_ids", "top_logprobs"), s.top)) if self.logprobs else {})}
+        return out, stats

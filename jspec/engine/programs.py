@@ -14,6 +14,7 @@ again; the persistent compilation cache (jspec.compilation_cache) makes that che
 from __future__ import annotations
 
 import itertools
+import time
 import weakref
 from typing import Callable
 
@@ -31,6 +32,7 @@ class Programs:
 
     def __init__(self):
         self._entries: dict = {}  # signature -> [last use, jax.stages.Compiled]
+        self.build_seconds = 0.0  # spent compiling, in all: what a clock that leaves compiles out subtracts
         _tables.add(self)
 
     def get(self, signature, build: Callable[[], jax.stages.Compiled]) -> jax.stages.Compiled:
@@ -40,7 +42,9 @@ class Programs:
         if entry is not None:
             entry[0] = next(_clock)
             return entry[1]
+        began = time.perf_counter()
         compiled = build()
+        self.build_seconds += time.perf_counter() - began
         self._entries[signature] = [next(_clock), compiled]
         _sweep()
         return compiled
@@ -63,3 +67,12 @@ def _sweep() -> None:
     for _, signature, table in by_age[:len(by_age) - KEEP]:
         del table._entries[signature]
     jax.clear_caches()
+
+
+def steady_run(model, run):
+    """`run()`, and once more if it compiled a program: a program's first run pays for its first
+    execution (a second or more on a long prompt's bucket), so the second run is the one to time.
+    For scripts that time runs one by one; jspec.bench.run.run_jspec warms each program before its clock instead."""
+    programs = len(model.programs())
+    out = run()
+    return run() if len(model.programs()) > programs else out

@@ -12,6 +12,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jspec.errors import JspecError
 
@@ -25,6 +26,12 @@ class Sampling:
     top_p: float = 1.0  # 1 means off
 
     def __post_init__(self):
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, bool):
+                raise JspecError(f"{name} must be a number, got {value!r}")
+        if not isinstance(self.top_k, (int, np.integer)) or isinstance(self.top_k, bool):
+            raise JspecError(f"top_k must be an integer, got {self.top_k!r}")
         # Near 0, logits / temperature overflows float32 (1e-40 gave token 0 at every step); such a
         # temperature is greedy decoding in all but name, which 0 asks for exactly.
         if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):

@@ -1,7 +1,9 @@
 """The loop/drafter contract: what the loop carries (LoopState) and what a drafter hands a round (Draft).
 
 A drafter's own state (`dstate`) and a controller's (`cstate`) travel inside LoopState as pytrees
-of their own types; the loop never looks inside them.
+of their own types; the loop never looks inside them, except to know that each of their arrays
+holds the batch's rows along its first axis (a 0-d array is shared by every row): a row refilled
+with a new prompt (jspec.engine.slots) takes its rows of a fresh prefill's state.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ class LoopState:
     accepted: jax.Array  # [B]
     dstate: object  # the drafter's own state
     cstate: object  # the controller's state
+    prompt: jax.Array  # [B] prompt lengths: where each row's output starts in seq
+    finite: jax.Array  # [B] whether the row's first logits were all finite numbers
+    steps: jax.Array  # 0-d: rounds the batch has run, in every row at once (done rows too)
     top: tuple | None = None  # (ids, log-probs) [B, max_new, k] of the target at each emitted token, if asked
 
 

@@ -108,6 +108,25 @@ def rows_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
     return NamedSharding(mesh, _spec(mesh, ("data",) + (None,) * (len(shape) - 1), shape))
 
 
+def pin_rows(tree, mesh: Mesh | None):
+    """Inside a program: every array of `tree` split by rows over the data axis (a 0-d one, shared
+    by the rows, replicated), whatever sharding propagation chose. A program's outputs that the
+    next program takes (jspec.engine.slots' LoopState) are pinned so, so the layout that program
+    was compiled for is the one it gets."""
+    if mesh is None:
+        return tree
+    def pin(x):
+        return jax.lax.with_sharding_constraint(x, replicated(mesh) if x.ndim == 0 else rows_sharding(mesh, x.shape))
+    return jax.tree.map(pin, tree)
+
+
+def pin_cache(cache, mesh: Mesh | None):
+    """Inside a program: a KVCache's arrays split as `cache_sharding` splits them."""
+    if mesh is None:
+        return cache
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, cache_sharding(mesh, x.shape)), cache)
+
+
 def place(tree, mesh: Mesh | None, rules: dict[str, tuple[str | None, ...]] = RULES):
     """`tree` on `mesh`, split by `rules` (None: left where it is, one device)."""
     return tree if mesh is None else jax.device_put(tree, shardings(tree, mesh, rules))

@@ -140,7 +140,7 @@ class Measure:
     def _run(self, s: knn.SkipSet | None):
         """Each request's steady run: the first run of a program (ar's, and the first trial's, on each
         prompt bucket) pays its first execution, which would read as a slower set."""
-        from jspec.api import steady_run
+        from jspec.engine.programs import steady_run
         from jspec.drafters.none import NoDraft
 
         cfg = self.model.cfg

@@ -21,6 +21,7 @@ from jspec import api, methods
 from jspec.bench import report as bench_report
 from jspec.bench.specs import parse_batch_sizes, parse_methods, read_bench_prompts
 from jspec.cli import main
+from jspec.engine.programs import steady_run
 from jspec.errors import JspecError
 from jspec.parts import heads
 from jspec.parts.folder import fingerprint
@@ -308,8 +309,8 @@ def test_steady_run_repeats_only_a_run_that_compiled():
         model.compiled.setdefault("bucket", object())
         return len(calls)
 
-    assert api.steady_run(model, run) == 2  # the second run is the one returned
-    assert api.steady_run(model, run) == 3 and calls == [0, 1, 2]
+    assert steady_run(model, run) == 2  # the second run is the one returned
+    assert steady_run(model, run) == 3 and calls == [0, 1, 2]
 
 
 def test_speedup_interval_brackets_the_ratio():

@@ -160,7 +160,7 @@ def test_failure_mid_run_leaves_output_untouched(capsys, tiny, tmp_path, monkeyp
     """Interrupted in its second batch and resumed, a sampled run at batch 2 writes what an
     uninterrupted one writes, in the prompts' order (its batches ran shortest prompts first)."""
     prompts = write_lines(tmp_path / "in.jsonl", *PROMPTS, {"prompt": "One more."})
-    sampled = [*GEN, "--batch-size", "2", "--temperature", "1", "--seed", "3"]
+    sampled = [*GEN, "--batch-size", "2", "--batching", "static", "--temperature", "1", "--seed", "3"]
     ref = tmp_path / "ref.jsonl"
     assert run(capsys, "generate", "--prompts", prompts, "--output", ref, "--model", tiny, *sampled)[0] == 0
     reference = read_jsonl(ref)
@@ -203,6 +203,34 @@ def test_failure_mid_run_leaves_output_untouched(capsys, tiny, tmp_path, monkeyp
     assert [untimed(r) for r in read_jsonl(out)] == [untimed(r) for r in reference]
     assert [r["id"] for r in reference] == [0, "greeting", 2, 3]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.jsonl", "ref.jsonl"]  # no partial, no settings
+
+
+def test_continuous_run_resumed_mid_run_loses_nothing(capsys, tiny, tmp_path, monkeypatch):
+    """Five prompts on two rows, continuous: interrupted after three records (rows refilled
+    mid-run) and resumed, the output is the uninterrupted run's, in the prompts' order."""
+    prompts = write_lines(tmp_path / "in.jsonl", *PROMPTS, {"prompt": "One more."}, {"prompt": "And the last."})
+    opts = ["--max-new-tokens", "6", "--batch-size", "2"]
+    ref = tmp_path / "ref.jsonl"
+    assert run(capsys, "generate", "--prompts", prompts, "--output", ref, "--model", tiny, *opts)[0] == 0
+    out = tmp_path / "out.jsonl"
+    stream = jspec.api.Model.stream
+
+    def interrupted(self, requests, *args, **kwargs):
+        for i, record in enumerate(stream(self, requests, *args, **kwargs)):
+            if i == 3:
+                raise KeyboardInterrupt
+            yield record
+
+    monkeypatch.setattr(jspec.api.Model, "stream", interrupted)
+    assert run(capsys, "generate", "--prompts", prompts, "--output", out, "--model", tiny, *opts)[0] == 130
+    assert len(read_jsonl(tmp_path / "out.jsonl.partial")) == 3
+    monkeypatch.setattr(jspec.api.Model, "stream", stream)
+    code, _, err = run(capsys, "generate", "--prompts", prompts, "--output", out, "--model", tiny, "--resume", *opts)
+    assert code == 0 and "3 of 5" in err, err
+    # Tokens and per-row counters as uninterrupted; batch_rounds counts the run's rounds, which differ.
+    same = lambda r: {**untimed(r), "stats": {k: v for k, v in r["stats"].items() if k != "batch_rounds"}}  # noqa: E731
+    assert [same(r) for r in read_jsonl(out)] == [same(r) for r in read_jsonl(ref)]
+    assert [r["id"] for r in read_jsonl(out)] == [0, "greeting", 2, 3, 4]
 
 
 def test_record_writer_drops_only_a_torn_last_line(tmp_path):

@@ -203,6 +203,27 @@ def test_prefill_attention_blocks_match_transformers(make_tiny, kind):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("spans", [1, 3])
+def test_prefill_attention_in_spans_equals_block_by_block(monkeypatch, spans):
+    """Ten whole blocks and a ragged eleventh in `spans` spans (each a loop over its blocks, reading
+    keys to the span's end) against block by block (unrolled): the same attention, and both the
+    full causal attention."""
+    rng = np.random.default_rng(0)
+    b, p, kv, g, h = 2, 10 * attention.PREFILL_BLOCK + 22, 2, 2, 8
+    q = jnp.asarray(rng.normal(size=(b, p, kv, g, h)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(b, p, kv, h)), jnp.float32) for _ in range(2))
+    monkeypatch.setattr(attention, "PREFILL_SPANS", p)
+    by_block = attention.prefill_attention(q, k, v)
+    monkeypatch.setattr(attention, "PREFILL_SPANS", spans)
+    fn = jax.jit(lambda q, k, v: attention.prefill_attention(q, k, v))  # traced now, with `spans`
+    in_spans = fn(q, k, v)
+    np.testing.assert_allclose(in_spans, by_block, rtol=0, atol=1e-5)
+    full = attention.xla_attention(q, k, v, jnp.broadcast_to(jnp.arange(p), (b, p)), None)[0]
+    np.testing.assert_allclose(in_spans, full, rtol=0, atol=1e-5)
+    text = fn.lower(q, k, v).as_text()
+    assert text.count("stablehlo.while") == spans  # a loop a span, not an attention a block
+
+
 def test_pack_lays_prompts_end_to_end():
     prompts = [list(range(1, n + 1)) for n in (70, 5, 100, 30, 90, 8)]
     for packed_rows in (1, 2, 3):

@@ -1,0 +1,86 @@
+"""Continuous batching: a batch of B slots, each row refilled with the next prompt once it finishes.
+
+The rows of a static batch (jspec.engine.loop.generate) that finished keep their slot until its
+longest row ends. Here the host (jspec.api) runs three programs over one LoopState of B rows:
+
+    fill     prefill the first B prompts into the batch's cache (`active` marks the rows that hold one)
+    advance  decoding rounds until `need` rows finished that the host has not yet taken, or all did
+    admit    prefill n new prompts and put them into the given slots (rows), mid-run (the host
+             admits one at a time: a program per prompt bucket)
+
+A round is the same `Run.round` in every program, so each row decodes as it would alone: speculation
+per row, and for the lossless methods the tokens of `ar` at batch 1. A row's cache, tokens,
+counters, drafter state and controller state are its rows of each array of the LoopState
+(jspec.engine.state), so admitting a prompt is writing its rows of a fresh prefill's state over
+the slot's; nothing of the slot's last prompt is read again (entries past a row's length are never
+attended to). The batch's cache length is fixed for the run: its longest prompt's bucket, plus
+max_new_tokens and the draft.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jspec.engine.loop import STATIC, Run
+from jspec.engine.state import LoopState
+from jspec.model import decoder, sharding
+from jspec.model.numerics import Numerics, tracing
+
+
+@functools.partial(jax.jit, static_argnames=STATIC, donate_argnames=("cache",))
+def fill(params, dparams, cache: decoder.KVCache, tokens, packing: decoder.Packing, active, eos_ids, key, *, cfg,
+         sampling, max_new_tokens: int, drafter, controller, logprobs: int = 0, numerics: Numerics = Numerics(),
+         platform: str = "cpu", mesh: Mesh | None = None) -> LoopState:
+    """The batch's first B prompts (packed as in loop.generate) prefilled into `cache`; rows whose
+    `active` [B] is False (a run with fewer prompts than slots) start done."""
+    with tracing(numerics, platform):
+        run = Run(cfg, sampling, max_new_tokens, drafter, controller, logprobs, platform)
+        s = run.start(params, dparams, cache, tokens, packing, eos_ids, key)
+        return pinned(dataclasses.replace(s, done=s.done | ~active), mesh)
+
+
+@functools.partial(jax.jit, static_argnames=STATIC, donate_argnames=("s",))
+def admit(params, dparams, s: LoopState, tokens, packing: decoder.Packing, slots, eos_ids, key, *, cfg, sampling,
+          max_new_tokens: int, drafter, controller, logprobs: int = 0, numerics: Numerics = Numerics(),
+          platform: str = "cpu", mesh: Mesh | None = None) -> LoopState:
+    """n prompts (packed) prefilled and put into rows slots [n] of s; a slot of B or more (a padding
+    row of the n) is dropped. The prefill's cache is n rows of s's length, beside s's own."""
+    with tracing(numerics, platform):
+        run = Run(cfg, sampling, max_new_tokens, drafter, controller, logprobs, platform)
+        cache = decoder.KVCache.zeros(cfg, packing.lens.shape[0], s.cache.length, s.cache.dtype)
+        new = run.start(params, dparams, cache, tokens, packing, eos_ids, key)
+        return pinned(put_rows(s, new, slots), mesh)
+
+
+def put_rows(s: LoopState, new: LoopState, slots: jax.Array) -> LoopState:
+    """s with rows slots [n] of every per-row array taken from new's n rows. 0-d arrays (the loop's
+    key, a controller's constant) are shared by the rows and stay s's."""
+    def put(full, rows):
+        return full if full.ndim == 0 else full.at[slots].set(rows.astype(full.dtype), mode="drop")
+
+    return jax.tree.map(put, s, new)
+
+
+@functools.partial(jax.jit, static_argnames=STATIC, donate_argnames=("s",))
+def advance(params, dparams, s: LoopState, eos_ids, idle, need, *, cfg, sampling, max_new_tokens: int, drafter,
+            controller, logprobs: int = 0, numerics: Numerics = Numerics(), platform: str = "cpu",
+            mesh: Mesh | None = None):
+    """Rounds until `need` rows that are not `idle` [B] (rows whose output the host took, or that
+    hold no prompt) are done, or every row is. Returns (s, done [B], out, stats) with out and stats
+    as loop.generate's, for every row."""
+    with tracing(numerics, platform):
+        run = Run(cfg, sampling, max_new_tokens, drafter, controller, logprobs, platform)
+        going = lambda s: ~jnp.all(s.done) & (jnp.sum(s.done & ~idle) < need)  # noqa: E731
+        s = jax.lax.while_loop(going, functools.partial(run.round, params, dparams, eos_ids), s)
+        return (pinned(s, mesh), s.done, *run.finish(s))
+
+
+def pinned(s: LoopState, mesh: Mesh | None) -> LoopState:
+    """s laid out on `mesh` as every program here returns it (the cache as caches are split, the
+    rest by rows): each program is compiled for the layout the last one left, whichever it was."""
+    return dataclasses.replace(sharding.pin_rows(s, mesh), cache=sharding.pin_cache(s.cache, mesh))

@@ -1,0 +1,102 @@
+"""Continuous batching (jspec.engine.slots): rows refilled with the next prompt as they finish
+decode what static batches and `ar` at batch 1 decode, token for token, for every lossless drafter."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import in_bfloat16, on_mesh
+from support.lossless import DRAFTERS, K, NEW, make_spec, method_options
+from support.spec import ids, repetitive_prompts
+
+from jspec.bench.hlo import cache_copies
+from jspec.engine import slots
+from jspec.errors import JspecError
+
+# Ten prompts of mixed lengths (two past the 32-token bucket, so admits of three buckets), for
+# four rows: six are admitted mid-run.
+LENGTHS = (3, 30, 12, 21, 40, 7, 70, 16, 25, 5)
+BATCH = 4
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory):
+    return make_spec(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def prompts(spec):
+    return repetitive_prompts(LENGTHS, spec.target.cfg.vocab_size, seed=1)
+
+
+@pytest.fixture(scope="module")
+def ar(spec, prompts):
+    """`ar` at batch 1: some rows stop at EOS, at different steps, the rest at NEW tokens."""
+    out = ids(spec.target.generate(prompts, max_new_tokens=NEW))
+    ends = sorted({len(row) for row in out})
+    assert len(ends) >= 3 and ends[-1] == NEW, ends
+    return out
+
+
+@pytest.mark.parametrize("drafter", ["ar", *DRAFTERS])
+def test_continuous_equals_static_equals_ar(spec, prompts, ar, drafter):
+    method, opts = ("ar", {}) if drafter == "ar" else method_options(spec, drafter, {"max_draft": K})
+    run = lambda batching: spec.target.generate(prompts, method=method, max_new_tokens=NEW,  # noqa: E731
+                                                batch_size=BATCH, batching=batching, **opts)
+    continuous = run("continuous")
+    assert ids(continuous) == ar
+    assert ids(run("static")) == ar
+    for r in continuous:
+        assert r["seconds"] > 0 and r["stats"]["rounds"] >= 1
+        assert r["stats"]["accepted"] <= r["stats"]["drafted"]
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "eesd"])
+def test_continuous_in_bfloat16_equals_ar(spec, prompts, drafter):
+    """bfloat16 weights (float32 activations and cache, the default numerics)."""
+    model = in_bfloat16(spec.target)
+    reference = ids(model.generate(prompts, max_new_tokens=NEW))
+    method, opts = method_options(spec, drafter, {"max_draft": K})
+    assert ids(model.generate(prompts, method=method, max_new_tokens=NEW, batch_size=BATCH, **opts)) == reference
+
+
+def test_continuous_on_a_mesh_equals_ar(spec, prompts, ar):
+    """Rows split over data=2 and weights over model=4: admitted groups of one row too (not a
+    multiple of the data shards)."""
+    method, opts = method_options(spec, "eesd", {"max_draft": K})
+    sharded = on_mesh(spec.target, "data=2,model=4")
+    assert ids(sharded.generate(prompts, method=method, max_new_tokens=NEW, batch_size=BATCH, **opts)) == ar
+
+
+def test_a_refilled_row_forgets_its_last_prompt(spec, prompts, ar):
+    """One row decoding every prompt in turn is `ar`: nothing of a slot's last prompt is read
+    again (at batch 2 the other row's prompts pass through the same slots too)."""
+    order = ids(spec.target.generate(prompts[::-1], max_new_tokens=NEW, batch_size=2))
+    assert order == ar[::-1]
+
+
+def test_programs_of_a_run(spec, prompts):
+    """A continuous run compiles fill, one advance and an admit per prompt bucket (one prompt an
+    admit); its decoding loop copies no layer's cache (the state is donated)."""
+    model = type(spec.target)(spec.target.cfg, spec.target.params, name="fresh")
+    model.generate(prompts, method="ngram", max_new_tokens=8, batch_size=BATCH)
+    kinds = [sig[10] for sig in model.programs()]
+    assert kinds.count("fill") == kinds.count("advance") == 1 and "generate" not in kinds
+    assert sorted(sig[1] for sig in model.programs() if sig[10] == "admit") == [32, 64, 128]
+    advance = {sig: c for sig, c in model.programs().items() if sig[10] == "advance"}
+    assert cache_copies(model.cfg, advance) == [(BATCH, 0, 0)]
+
+
+def test_put_rows_keeps_shared_arrays():
+    import jax.numpy as jnp
+
+    full = {"rows": jnp.zeros((4, 3)), "shared": jnp.asarray(7)}
+    new = {"rows": jnp.ones((2, 3)), "shared": jnp.asarray(1)}
+    out = slots.put_rows(full, new, jnp.asarray([2, 4]))  # slot 4 is past the batch: a padding row, dropped
+    np.testing.assert_array_equal(out["rows"], [[0] * 3, [0] * 3, [1] * 3, [0] * 3])
+    assert int(out["shared"]) == 7
+
+
+def test_unknown_batching_is_refused(spec, prompts):
+    with pytest.raises(JspecError, match="--batching must be one of continuous, static"):
+        spec.target.generate(prompts[:1], batching="dynamic")

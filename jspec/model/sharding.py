@@ -116,6 +116,8 @@ def pin_rows(tree, mesh: Mesh | None):
     if mesh is None:
         return tree
     def pin(x):
+        if not isinstance(x, jax.Array):  # a constant a drafter keeps in its state (a Python number)
+            return x
         return jax.lax.with_sharding_constraint(x, replicated(mesh) if x.ndim == 0 else rows_sharding(mesh, x.shape))
     return jax.tree.map(pin, tree)
 

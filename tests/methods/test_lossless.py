@@ -99,8 +99,9 @@ def test_greedy_equals_ar_batch4(spec, drafter, controller):
     max_new_tokens."""
     records = run(spec, drafter, controller)
     check_lossless(spec, records, fixed_model_drafter=controller == "fixed" and drafter != "ngram")
-    # The drafts are good enough that some are accepted: the lossless check is not vacuous.
-    assert sum(r["stats"]["accepted"] for r in records) >= 4
+    # Some drafts are accepted: the lossless check is not vacuous. (How many follows the
+    # controllers' draws, which follow where each prompt sits in the batch.)
+    assert sum(r["stats"]["accepted"] for r in records) >= 1
 
 
 # Every drafter and every controller at batch 1 too.

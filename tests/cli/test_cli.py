@@ -88,6 +88,22 @@ def test_generate_jsonl(capsys, tiny, tmp_path):
     assert [r["token_ids"] for r in records] == [r["token_ids"] for r in expected]
 
 
+def interrupt_stream(monkeypatch, after: int, on_interrupt=lambda: None):
+    """Model.stream patched to stop as Ctrl-C would once `after` records have come (calling
+    `on_interrupt` first); returns the real one, to put back."""
+    stream = jspec.api.Model.stream
+
+    def interrupted(self, requests, *args, **kwargs):
+        for i, record in enumerate(stream(self, requests, *args, **kwargs)):
+            if i == after:
+                on_interrupt()
+                raise KeyboardInterrupt
+            yield record
+
+    monkeypatch.setattr(jspec.api.Model, "stream", interrupted)
+    return stream
+
+
 def test_generate_in_bfloat16_names_its_numerics(capsys, tiny, tmp_path, monkeypatch):
     """Weights, activations and cache in bfloat16 from the command line: each record names them,
     and so do an interrupted run's settings, which a resume must match."""
@@ -95,16 +111,8 @@ def test_generate_in_bfloat16_names_its_numerics(capsys, tiny, tmp_path, monkeyp
     out = tmp_path / "out.jsonl"
     bf16 = ("--dtype", "bfloat16", "--kv-cache-dtype", "bfloat16", "--activation-dtype", "bfloat16",
             "--method", "ngram", *GEN)
-    stream = jspec.api.Model.stream
-
-    def interrupted(self, requests, *args, **kwargs):
-        for i, record in enumerate(stream(self, requests, *args, **kwargs)):
-            if i == 1:
-                raise KeyboardInterrupt
-            yield record
-
     with monkeypatch.context() as m:
-        m.setattr(jspec.api.Model, "stream", interrupted)
+        interrupt_stream(m, after=1)
         assert run(capsys, "generate", "--prompts", prompts, "--output", out, "--model", tiny, *bf16)[0] == 130
     assert_one_error(*run(capsys, "generate", "--prompts", prompts, "--output", out, "--model", tiny, "--resume",
                           *bf16[:2], *bf16[6:]), "other settings (activation_dtype='bfloat16', "
@@ -172,17 +180,10 @@ def test_failure_mid_run_leaves_output_untouched(capsys, tiny, tmp_path, monkeyp
     partial = tmp_path / "out.jsonl.partial"
     earlier = json.dumps({"id": "earlier", "token_ids": [1]}) + "\n"  # an earlier, complete output
     out.write_text(earlier)
-    stream = jspec.api.Model.stream
     seen = []
-
-    def interrupted(self, requests, *args, **kwargs):
-        for i, record in enumerate(stream(self, requests, *args, **kwargs)):
-            if i == 2:  # the first batch (2 records) is written; the run dies in the second
-                seen.append((out.read_text(), len(read_jsonl(partial))))
-                raise KeyboardInterrupt
-            yield record
-
-    monkeypatch.setattr(jspec.api.Model, "stream", interrupted)
+    # the first batch (2 records) is written; the run dies in the second
+    stream = interrupt_stream(monkeypatch, after=2,
+                              on_interrupt=lambda: seen.append((out.read_text(), len(read_jsonl(partial)))))
     code, _, err = run(capsys, "generate", "--prompts", prompts, "--output", out, "--model", tiny, *sampled)
     assert code == 130
     assert seen == [(earlier, 2)]  # OUT untouched while running
@@ -213,15 +214,7 @@ def test_continuous_run_resumed_mid_run_loses_nothing(capsys, tiny, tmp_path, mo
     ref = tmp_path / "ref.jsonl"
     assert run(capsys, "generate", "--prompts", prompts, "--output", ref, "--model", tiny, *opts)[0] == 0
     out = tmp_path / "out.jsonl"
-    stream = jspec.api.Model.stream
-
-    def interrupted(self, requests, *args, **kwargs):
-        for i, record in enumerate(stream(self, requests, *args, **kwargs)):
-            if i == 3:
-                raise KeyboardInterrupt
-            yield record
-
-    monkeypatch.setattr(jspec.api.Model, "stream", interrupted)
+    stream = interrupt_stream(monkeypatch, after=3)
     assert run(capsys, "generate", "--prompts", prompts, "--output", out, "--model", tiny, *opts)[0] == 130
     assert len(read_jsonl(tmp_path / "out.jsonl.partial")) == 3
     monkeypatch.setattr(jspec.api.Model, "stream", stream)

@@ -25,7 +25,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 DRAFT=build/smollm2-135m-draft  # the draft model of run_all.sh (benchmarks/make_draft_model.py)
-METHODS=${METHODS:-"ar,draft:draft_model=$DRAFT,early-exit,eesd,kangaroo,eagle,knn-ssd,layer-skip,ngram,mjsd,specee,eesd:lookup=2,kangaroo:lookup=2,eagle:lookup=2,specee:lookup=2,eagle:candidates=4,kangaroo:candidates=4"}
+METHODS=${METHODS:-"ar,auto,draft:draft_model=$DRAFT,early-exit,eesd,kangaroo,eagle,knn-ssd,layer-skip,ngram,mjsd,specee,eesd:lookup=2,kangaroo:lookup=2,eagle:lookup=2,specee:lookup=2,eagle:candidates=4,kangaroo:candidates=4"}
 LIMIT=${LIMIT-5}
 OUTPUT=${OUTPUT:-benchmarks/results/$(date +%F)_accelerator.jsonl}
 PAGE=${PAGE:-docs/benchmarks-accelerator.md}

@@ -18,7 +18,7 @@ import contextlib
 import functools
 import os
 import time
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,26 +28,20 @@ from jspec import compilation_cache, distributed, memory, methods
 from jspec.batching import Request, batch_rows, batches, pack, prompt_bucket
 from jspec.convert import cache as model_cache, store
 from jspec.engine import loop, slots
-from jspec.engine.programs import Programs
+from jspec.engine.pricing import measure as measure_costs, resolve as resolve_pricing
+from jspec.engine.programs import Programs, Signature
 from jspec.engine.sampling import Sampling
 from jspec.errors import JspecError
-from jspec.jsonl import check_messages
 from jspec.model import kernels, sharding
 from jspec.model.config import ModelConfig
 from jspec.model.decoder import KVCache, Packing
 from jspec.model.layout import param_shapes
 from jspec.model.numerics import DTYPES, Numerics
+from jspec.prompts import Prompt, encode as encode_prompt, is_conversation, requests as make_requests
 from jspec.tokenizer import Tokenizer
 
 BATCHING = ("continuous", "static")
-
-Prompt = str | Sequence[dict] | dict
-
-
-def _is_conversation(prompts: Any) -> bool:
-    """A list of chat messages is one prompt, not a list of prompts: prompt dicts never have a role."""
-    return (isinstance(prompts, (list, tuple)) and bool(prompts)
-            and all(isinstance(m, dict) and "role" in m for m in prompts))
+NEVER = np.int32(2**31 - 1)  # slots.advance's `until` where no round count ends it
 
 
 def load(model: str | None = None, dtype: str | None = None, mesh: str | jax.sharding.Mesh | None = None, *,
@@ -79,70 +73,23 @@ class Model:
         self.numerics = numerics  # the activation and KV cache dtypes its programs use
         self._programs = Programs()
         self._caches: dict = {}  # (rows, length) -> the last batch's KVCache: one at most, reused or freed
+        self._costs: dict = {}  # what round_costs measured, by batch and plan
 
     # -- prompts -----------------------------------------------------------------------------
     def encode(self, prompt: Prompt, chat: bool = True) -> list[int]:
         """Token ids of a prompt: a string, a list of chat messages, or a dict with one of them."""
-        if isinstance(prompt, dict):
-            if "messages" not in prompt and "prompt" not in prompt:
-                raise JspecError(f"a prompt dict needs 'prompt', 'messages' or 'token_ids'; got keys {sorted(prompt)}")
-            prompt = prompt.get("messages", prompt.get("prompt"))
-        if not (isinstance(prompt, str) or
-                isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt)):
-            raise JspecError("a prompt is a string, a list of chat messages ({'role': ..., 'content': ...}) or a "
-                             f"dict with 'prompt', 'messages' or 'token_ids'; got {type(prompt).__name__}")
-        if isinstance(prompt, str) and not prompt.strip():
-            raise JspecError("a prompt is empty")  # as in a prompts file (jspec.jsonl.read_prompts)
-        if self.tokenizer is None:
-            raise JspecError(f"model {self.name} has no tokenizer: pass token ids instead of text")
-        self._check_length(prompt if isinstance(prompt, str) else "".join(str(m.get("content", "")) for m in prompt))
-        if isinstance(prompt, str) and not chat:
-            return self.tokenizer.encode(prompt)
-        if not chat:
-            raise JspecError("chat messages need the chat template; give plain prompts to use --no-chat")
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else \
-            check_messages(list(prompt), "chat messages")
-        if self.tokenizer.chat_template is None:
-            raise JspecError(f"model {self.name} has no chat template: use --no-chat")
-        return self.tokenizer.encode_chat(messages)
-
-    def _check_length(self, text: str) -> None:
-        """Refuse, before tokenizing it, a text that no tokenization could fit in the context: a
-        token covers at most the vocabulary's longest entry in characters (times 4, for what a
-        normalizer may compose), so a 100 MB prompt fails at once rather than after minutes."""
-        context = self.cfg.max_position_embeddings
-        if len(text) > 4 * context * self._longest_token:
-            raise JspecError(f"a prompt of {len(text)} characters is far longer than the model's context of "
-                             f"{context} tokens can hold")
-
-    @functools.cached_property
-    def _longest_token(self) -> int:
-        return max(map(len, self.tokenizer.backend.get_vocab(with_added_tokens=True)), default=1)
+        return encode_prompt(self.tokenizer, self.name, self.cfg.max_position_embeddings, prompt, chat)
 
     def requests(self, prompts: Iterable[Prompt], chat: bool = True, start: int = 0) -> list[Request]:
         """Encode prompts; `start` is the index of the first one in the caller's full list."""
-        out = []
-        for i, p in enumerate(prompts, start):
-            pid = p.get("id", i) if isinstance(p, dict) else i
-            if isinstance(p, dict) and "token_ids" in p:
-                ids = list(p["token_ids"])
-                if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
-                    raise JspecError(f"prompt {pid!r}: token_ids must be integers")
-            else:
-                ids = self.encode(p, chat)
-            if not ids:
-                raise JspecError(f"prompt {pid!r} is empty")
-            if max(ids) >= self.cfg.vocab_size or min(ids) < 0:
-                raise JspecError(f"prompt {pid!r} holds token ids outside the model's vocabulary (0..{self.cfg.vocab_size - 1})")
-            out.append(Request(pid, ids, i))
-        return out
+        return make_requests(prompts, self.encode, self.cfg.vocab_size, chat, start)
 
     # -- generation --------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Iterable[Prompt], method: str = "ar", **options) -> list[dict]:
         """Records (id, text, token_ids, new_tokens, seconds, tokens_per_second, stats) in prompt order.
         `prompts` is one prompt (a string, a list of chat messages, a dict with 'prompt', 'messages'
         or 'token_ids') or an iterable of them."""
-        if isinstance(prompts, (str, dict)) or _is_conversation(prompts):
+        if isinstance(prompts, (str, dict)) or is_conversation(prompts):
             prompts = [prompts]
         elif not isinstance(prompts, Iterable):
             raise JspecError(f"prompts must be a prompt or an iterable of prompts, got {type(prompts).__name__}")
@@ -180,13 +127,14 @@ class Model:
 
     def _stream(self, requests: Sequence[Request], method: str = "ar", *, max_new_tokens: int = 128,
                 batch_size: int = 1, batching: str = "continuous", temperature: float = 0.0, top_k: int = 0,
-                top_p: float = 1.0, seed: int = 0, logprobs: int = 0,
+                top_p: float = 1.0, seed: int = 0, logprobs: int = 0, pricing="auto",
                 **method_options) -> Iterator[tuple[Request, dict]]:
         """stream()'s (request, record) pairs."""
         unknown = sorted(method_options.keys() - methods.OPTIONS.keys())
         if unknown:
             raise JspecError(f"unknown option {unknown[0]!r}; generate takes max_new_tokens, batch_size, batching, "
-                             "temperature, top_k, top_p, seed, logprobs, chat and the options of jspec.methods.build")
+                             "temperature, top_k, top_p, seed, logprobs, pricing, chat and the options of "
+                             "jspec.methods.build")
         sampling = Sampling(temperature, top_k, top_p)
         method_options = self.load_models(method, method_options)
         plan = methods.build(method, self, **method_options)
@@ -211,8 +159,12 @@ class Model:
                 raise JspecError(
                     f"prompt {r.id!r} has {len(r.token_ids)} tokens; with --max-new-tokens {max_new_tokens} "
                     f"that exceeds the model's context of {context}")
-        run = self._continuous if batching == "continuous" and batch_size > 1 else self._batches
-        return run(list(requests), batch_size, max_new_tokens, sampling, seed, plan, logprobs)
+        continuous = batching == "continuous" and batch_size > 1
+        costs = resolve_pricing(pricing, methods.get(method).lossless, plan[0].max_draft, continuous)
+        run = self._continuous if continuous else self._batches
+        name = methods.get(method).chooses or method  # the method that decodes: what records name
+        return ((r, {**record, "method": name})
+                for r, record in run(list(requests), batch_size, max_new_tokens, sampling, seed, plan, logprobs, costs))
 
     def load_models(self, method: str, options: dict) -> dict:
         """`options` with each model option (a draft model) that names a path loaded in this
@@ -223,14 +175,16 @@ class Model:
                   and methods.OPTIONS[name].type == "model" and method in methods.TAKES[name]}
         return {**options, **loaded}
 
-    def _batches(self, requests, batch_size, max_new_tokens, sampling, seed, plan, logprobs):
+    def _batches(self, requests, batch_size, max_new_tokens, sampling, seed, plan, logprobs, costs):
         for batch in batches(requests, batch_size):
             key = jax.random.fold_in(jax.random.key(seed), batch[0].index)
-            records = self.run_batch(batch, self.batch_rows(len(batch), batch_size), max_new_tokens, sampling, key,
-                                     plan, logprobs)
+            rows = self.batch_rows(len(batch), batch_size)
+            if isinstance(costs, str):  # measured once, on the first batch's shape
+                costs = self.round_costs(batch, rows, max_new_tokens, sampling, plan, logprobs)
+            records = self.run_batch(batch, rows, max_new_tokens, sampling, key, plan, logprobs, costs)
             yield from zip(batch, records)
 
-    def _continuous(self, requests, batch_size, max_new, sampling, seed, plan, logprobs):
+    def _continuous(self, requests, batch_size, max_new, sampling, seed, plan, logprobs, costs):
         """Continuous batching (jspec.engine.slots): `batch_size` rows, each refilled with the next
         request, in the given order, as soon as its own finished. One cache for the run, as long as
         its longest prompt needs."""
@@ -239,6 +193,8 @@ class Model:
         length = memory.cache_length(max(prompt_bucket(len(r.token_ids)) for r in requests), max_new, drafter.max_draft)
         eos = self._eos()
         run = functools.partial(self._run_program, plan=plan, max_new=max_new, sampling=sampling, logprobs=logprobs)
+        if isinstance(costs, str):  # timed on this run's own programs
+            costs = self.round_costs(requests, rows, max_new, sampling, plan, logprobs, length)
         queue = collections.deque(requests)
         held: list[Request | None] = [queue.popleft() for _ in range(min(rows, len(queue)))]
         tokens, packing = self.pack(held, rows)
@@ -250,7 +206,8 @@ class Model:
         began = [began] * rows
         while True:
             idle = np.asarray([r is None for r in held])
-            (s, done, out, stats), _ = run(slots.advance, rows, None, length, s, eos, self._rows(idle), np.int32(1))
+            (s, done, out, stats), _ = run(slots.advance, rows, None, length, s, eos, self._rows(idle), np.int32(1),
+                                           self._on_all(costs), NEVER)
             done, out, stats = distributed.gather((done, out, stats))
             now = self.clock()
             for i in np.flatnonzero(done & ~idle):
@@ -259,14 +216,19 @@ class Model:
             free = [i for i, r in enumerate(held) if r is None]
             if not queue and len(free) == rows:
                 break
-            # One prompt an admit: a program per prompt bucket, where groups would need one per
-            # (rows, packed length, bucket); a prefill costs its tokens on a CPU either way.
-            for i in free[:len(queue)]:
-                held[i] = queue.popleft()
-                tokens, packing = self.pack([held[i]], 1)
-                key = jax.random.fold_in(jax.random.key(seed), held[i].index)
-                s, began[i] = run(slots.admit, 1, packing.bucket, length, s, *self._place(tokens, packing),
-                                  self._everywhere(np.asarray([i], np.int32)), eos, key)
+            # The free slots' prompts in one admit, packed as a batch of a power of two rows (a
+            # program per group size and bucket; its padding rows go to slot `rows`: dropped).
+            take = free[:len(queue)]
+            if take:
+                group = [queue.popleft() for _ in take]
+                n = 1 << (len(take) - 1).bit_length()
+                tokens, packing = self.pack(group, n)
+                into = np.asarray(take + [rows] * (n - len(take)), np.int32)
+                key = jax.random.fold_in(jax.random.key(seed), group[0].index)
+                s, now = run(slots.admit, n, packing.bucket, length, s, *self._place(tokens, packing),
+                             self._everywhere(into), eos, key)
+                for i, r in zip(take, group):
+                    held[i], began[i] = r, now
         self._caches[(rows, length)] = s.cache
 
     def _run_program(self, program, rows, bucket, length, *args, plan, max_new, sampling, logprobs):
@@ -297,15 +259,16 @@ class Model:
         return {"dtype": self.dtype, **self.numerics.to_json()}
 
     def run_batch(self, batch: Sequence[Request], rows: int, max_new: int, sampling: Sampling, key,
-                  plan, logprobs: int = 0) -> list[dict]:
+                  plan, logprobs: int = 0, costs: np.ndarray | None = None) -> list[dict]:
         """One batch, padded to `rows`, through a built plan (`jspec.methods.build`'s drafter, its
-        params and controller, or one made by hand, as the skip-set search does): its records, with
-        no checks (`stream` makes them)."""
+        params and controller, or one made by hand, as the skip-set search does), its rounds priced
+        by `costs` if given (jspec.engine.pricing): its records, with no checks (`stream` makes them)."""
         drafter, dparams, _ = plan
         tokens, packing = self.pack(batch, rows)
         length = memory.cache_length(packing.bucket, max_new, drafter.max_draft)
         eos = self._eos()
-        args = (self.params, dparams, self._cache(rows, length), *self._place(tokens, packing), eos, key)
+        args = (self.params, dparams, self._cache(rows, length), *self._place(tokens, packing), eos, key,
+                self._on_all(costs))
         fn = self._program(loop.generate, rows, packing.bucket, length, args, max_new, sampling, plan, logprobs)
         t0 = self.clock()
         out, stats, cache = fn(*args)
@@ -346,6 +309,47 @@ class Model:
         """The ids a row stops at [E], on every device (-1, which no token is, for a model with none)."""
         return self._everywhere(np.asarray(self.cfg.eos_token_ids or (-1,), np.int32))
 
+    def calibrate(self, prompts: Iterable[Prompt], method: str = "ar", *, batch_size: int = 8,
+                  max_new_tokens: int = 128, **method_options) -> np.ndarray:
+        """The seconds of a round of `method` at each draft length 0..K [K+1] on this model's device,
+        for a batch of `batch_size` of `prompts`: what priced rounds decide by (generate's `pricing`)."""
+        requests = self.requests(prompts)
+        plan = methods.build(method, self, **self.load_models(method, method_options))
+        rows = self.batch_rows(min(len(requests), batch_size), batch_size)
+        return self.round_costs(requests, rows, max_new_tokens, Sampling(), plan)
+
+    def round_costs(self, requests, rows: int, max_new: int, sampling: Sampling, plan, logprobs: int = 0,
+                    length: int | None = None) -> np.ndarray:
+        """The seconds of a round at each draft length [K+1] for a batch of `rows` of the first
+        requests, timed on their continuous-batching programs (jspec.engine.pricing.measure) the
+        first time this model runs the plan at this batch size, and kept; `length` is the cache's
+        (by default what those requests need)."""
+        drafter, _, controller = plan
+        known = (rows, max_new, sampling, drafter, controller, logprobs)
+        if known in self._costs:
+            return self._costs[known]
+        tokens, packing = self.pack(requests[:rows], rows)
+        length = length or memory.cache_length(packing.bucket, max_new, drafter.max_draft)
+        run = functools.partial(self._run_program, plan=plan, max_new=max_new, sampling=sampling, logprobs=logprobs)
+        eos, idle = self._eos(), np.zeros(rows, bool)
+
+        def fill():
+            return run(slots.fill, rows, packing.bucket, length, self._cache(rows, length),
+                       *self._place(tokens, packing), self._rows(~idle), eos, jax.random.key(0))[0]
+
+        def advance(s, costs, rounds):
+            steps = int(s.steps)
+            (s, *_), _ = run(slots.advance, rows, None, length, s, eos, self._rows(idle), np.int32(rows + 1),
+                             self._on_all(costs), np.int32(steps + rounds))
+            return s, int(s.steps) - steps
+
+        self._costs[known], s = measure_costs(fill, advance, drafter.max_draft)
+        self._caches[(rows, length)] = s.cache
+        return self._costs[known]
+
+    def _on_all(self, x: np.ndarray | None) -> jax.Array | None:
+        return None if x is None else self._everywhere(np.asarray(x, np.float32))
+
     def _everywhere(self, x: np.ndarray) -> jax.Array:
         """Host data every device holds whole."""
         return jnp.asarray(x) if self.mesh is None else distributed.rows_array(x, sharding.replicated(self.mesh))
@@ -362,26 +366,23 @@ class Model:
         return cache
 
     def programs(self) -> dict:
-        """The decoding programs compiled so far (jax.stages.Compiled), by their signature:
-        (rows, prompt bucket, cache length, max new tokens, sampling, drafter, controller, ..., logprobs,
-        numerics, platform), as many as this process keeps (jspec.engine.programs)."""
+        """The decoding programs compiled so far (jax.stages.Compiled), by their
+        jspec.engine.programs.Signature, as many as this process keeps."""
         return self._programs.compiled()
 
     def _program(self, program, rows, bucket, length, args, max_new, sampling, plan, logprobs):
         """`program` (loop.generate, or one of jspec.engine.slots') compiled for args (params, dparams,
         then its own), or the one kept from before."""
         drafter, dparams, controller = plan
-        shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(dparams))
-        sig = (rows, bucket, length, max_new, sampling, drafter, controller, jax.tree.structure(dparams), shapes,
-               logprobs, program.__name__, self.numerics, self.platform)
+        run = loop.Run(self.cfg, sampling, max_new, drafter, controller, logprobs, self.numerics, self.platform,
+                       self.mesh)
+        shapes = lambda tree: (jax.tree.structure(tree), tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(tree)))
+        sig = Signature(program.__name__, rows, bucket, length, run, shapes(dparams), shapes(args[2:]))
 
         def build():
             several = self.mesh is not None and self.mesh.devices.size > 1
             with kernels.off() if several else contextlib.nullcontext():
-                lowered = program.lower(*args, cfg=self.cfg, sampling=sampling, max_new_tokens=max_new,
-                                        drafter=drafter, controller=controller, logprobs=logprobs,
-                                        numerics=self.numerics, platform=self.platform, mesh=self.mesh)
-            return lowered.compile()
+                return program.lower(*args, run=run).compile()
 
         return self._programs.get(sig, build)
 

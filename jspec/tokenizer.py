@@ -19,6 +19,7 @@ template renders within a bound (jspec.chat_template).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -48,6 +49,11 @@ class Tokenizer:
     def __len__(self) -> int:
         """The vocabulary size, added tokens included."""
         return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def longest_token(self) -> int:
+        """The longest entry of the vocabulary, in characters."""
+        return max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
 
     @property
     def eos_token_id(self) -> int | None:

@@ -13,8 +13,16 @@ import sys
 import tempfile
 
 _DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
-if _DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES_FLAG}".strip()
+# The suite is bound by compiling: its tiny models' programs compile in seconds and run in
+# milliseconds. LLVM's cheapest code generation and XLA:CPU's older fusion emitters each took a
+# fifth off a test's time (an end-to-end test of the default model too: its big products are
+# library calls either way). XLA's HLO passes, the HLO tests assert on, and jspec's native kernels
+# are what users run; what differs is how a fusion becomes machine code.
+_FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
+                 "--xla_cpu_use_fusion_emitters=false")
+for _flag in (_DEVICES_FLAG, *_FAST_COMPILE):
+    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 if "jax" in sys.modules:  # too late for XLA_FLAGS: the sharding tests would see one device
     import warnings
 
@@ -29,6 +37,14 @@ else:
     _SESSION_CACHE = tempfile.mkdtemp(prefix="jspec-test-cache-")
     os.environ["JSPEC_CACHE"] = _SESSION_CACHE
     atexit.register(shutil.rmtree, _SESSION_CACHE, ignore_errors=True)
+
+# One persistent cache of compiled programs for the session's processes (both xdist workers, and
+# the processes tests start inherit it): the suite is bound by compiling, and a program compiled in
+# one test module (the shared references' `ar`, say) is loaded, not compiled again, in the next,
+# after jax.clear_caches. The programs are those users run; only their compiling is saved.
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jspec-test-xla-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 import dataclasses  # noqa: E402
 import json  # noqa: E402

@@ -19,7 +19,7 @@ from jspec.batching import MIN_PROMPT_BUCKET, Request, batch_rows, batches
 from jspec.errors import JspecError
 
 RECORD_FIELDS = {"id", "text", "token_ids", "new_tokens", "prompt_tokens", "seconds", "tokens_per_second", "numerics",
-                 "stats"}
+                 "stats", "method"}
 # Chat prompts whose encodings differ a lot in length (the template adds ~30 tokens to each).
 CHAT_PROMPTS = [
     "What is the capital of France?",

@@ -189,19 +189,20 @@ def test_a_process_failing_after_the_join_ends_both(setup, tmp_path):
 
 
 def test_a_failure_mid_run_ends_both_and_keeps_the_records(setup, tmp_path):
-    """Process 0's disk fills up at its second batch, while process 1 computes the third: both end
-    in one line; the first batch stays in the partial file, and --resume completes the run."""
+    """Process 0's disk fills up at its third record, while process 1 computes on: both end in one
+    line; the first two records stay whole in the partial file, and --resume completes the run."""
     model, prompts, reference = setup
     out = tmp_path / "two.jsonl"
     args = ["--prompts", prompts, "--output", out, *ARGS[:2], "--batch-size", "2", *ARGS[4:]]
-    # a record of the tiny model is about 410 bytes: the first batch (two) fits, the second does not
+    # a record of the tiny model is about 410 bytes: two fit, the third does not
     [(rc0, err0), (rc1, err1)] = launch(model, *args, file_limit=1200, timeout=120)
     one_line_error(rc0, err0, "File too large", status=1)
     one_line_error(rc1, err1, "File too large", status=1)
     assert "jspec: error: process 0 failed: " in err1
     lines = (tmp_path / "two.jsonl.partial").read_text().split("\n")[:-1]  # the last piece is torn, or empty
     kept = {r["id"]: r["token_ids"] for r in map(json.loads, lines)}
-    assert list(kept) == ["p5", "p0"] and all(kept[i] == reference[i] for i in kept)  # the shortest prompts
+    # which two depends on the order rows finish in (continuous batching writes each as it ends)
+    assert len(kept) == 2 and all(kept[i] == reference[i] for i in kept)
     assert not out.exists()
     results = launch(model, *args, "--resume")
     assert [rc for rc, _ in results] == [0, 0], results

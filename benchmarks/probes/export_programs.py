@@ -80,9 +80,9 @@ def export(model, method: str, platform: str, rows: int, max_new: int = 16) -> s
     args = jnp.asarray(tokens), jax.tree.map(jnp.asarray, packing), jnp.asarray(eos)
     cache = decoder.KVCache.zeros(model.cfg, rows, s)
     with kernels.off():
+        run = loop.Run(model.cfg, Sampling(), max_new, drafter, controller, platform=platform)
         exported = jax.export.export(loop.generate, platforms=[platform])(
-            model.params, dparams, cache, *args, jax.random.key(0), cfg=model.cfg, sampling=Sampling(),
-            max_new_tokens=max_new, drafter=drafter, controller=controller, platform=platform)
+            model.params, dparams, cache, *args, jax.random.key(0), None, run=run)
     return exported.mlir_module()
 
 

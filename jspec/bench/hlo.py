@@ -40,7 +40,7 @@ def cache_copies(cfg, programs: dict) -> list[tuple[int, int, int]]:
     branches)."""
     out = []
     for sig, compiled in programs.items():
-        rows, length, numerics = sig[0], sig[2], sig[-2]
+        rows, length, numerics = sig.rows, sig.length, sig.run.numerics
         copy = re.compile(r"= %s\[%d,%d,%d,%d\]\S* copy\(" % (HLO_TYPES[numerics.kv_cache], rows, length,
                                                               cfg.num_kv_heads, cfg.head_dim))
         entry = inner = 0

@@ -107,6 +107,10 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batching", choices=("continuous", "static"), default="continuous",
                    help="continuous: a row that finishes takes the next prompt at once; static: batches of "
                         "prompts sorted by length, each until its longest row ends (default: %(default)s)")
+    g.add_argument("--pricing", choices=("auto", "on", "off"), default="auto",
+                   help="price each round by what drafting costs on this device, drafting less (or nothing) "
+                        "where it does not pay: on, off, or auto, which prices lossless methods above batch size 1 "
+                        "(default: %(default)s)")
     g.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="sampling temperature: 0 is greedy, otherwise at least 1e-6 (default: %(default)s)")
     g.add_argument("--top-k", type=int, default=0, metavar="K",
@@ -138,7 +142,7 @@ def generation_options(args: argparse.Namespace) -> dict:
     """The keyword arguments of `Model.stream` (after the requests and the method)."""
     given = {name: getattr(args, name) for name, o in methods.OPTIONS.items() if o.flag}
     return dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, batching=args.batching,
-                temperature=args.temperature,
+                pricing=args.pricing, temperature=args.temperature,
                 top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                 **{k: v for k, v in given.items() if v is not None})
 

@@ -21,8 +21,8 @@ import traceback
 from typing import Sequence
 
 from jspec import distributed
-from jspec.cli import (bench, build_datastore, compare, convert, distill_data, env, fit_knn, generate, search_skip,
-                       train_head, train_predictors)
+from jspec.cli import (bench, build_datastore, calibrate, compare, convert, distill_data, env, fit_knn, generate,
+                       search_skip, train_head, train_predictors)
 from jspec.cli.common import UsageError, one_line, with_hint
 from jspec.errors import JspecError
 
@@ -33,7 +33,7 @@ EXIT_INTERRUPTED = 130
 # name -> the module with its add_arguments and run, in the order `jspec --help` lists them
 COMMANDS = {"generate": generate, "compare": compare, "convert": convert, "distill-data": distill_data,
             "train-head": train_head, "train-predictors": train_predictors, "env": env, "search-skip": search_skip,
-            "build-datastore": build_datastore, "fit-knn": fit_knn, "bench": bench}
+            "build-datastore": build_datastore, "fit-knn": fit_knn, "bench": bench, "calibrate": calibrate}
 
 
 class _Parser(argparse.ArgumentParser):

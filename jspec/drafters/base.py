@@ -217,11 +217,12 @@ def only_if(pred, fn, carry):
 
 
 def draft_loop(step, carry, s, controller, sampling: Sampling, key, max_draft: int):
-    """Draft up to max_draft tokens one at a time, while any live row's controller says go on.
+    """Draft up to max_draft tokens one at a time (the round's s.budget at most, which may be
+    none), while any live row's controller says go on.
 
     step(carry, j, x [B], positions [B, 1]) -> (logits [B, V], carry) runs the drafter on token
     x at draft slot j. Rows whose controller stopped keep computing (their extra tokens are
-    ignored), so the loop ends when every row has stopped or K tokens exist.
+    ignored), so the loop ends when every row has stopped or the budget's tokens exist.
     Returns (tokens [B, K], probs [B, K, V] or None, n [B], carry, controller state).
     """
     b = s.last.shape[0]
@@ -241,14 +242,21 @@ def draft_loop(step, carry, s, controller, sampling: Sampling, key, max_draft: i
             confidence = jnp.max(q, axis=-1)
             probs = probs.at[:, j].set(q)
         keep, cstate = controller.keep(cstate, j, confidence, k_keep)
-        return j + 1, tok, active & keep, n + active, tokens.at[:, j].set(tok), probs, carry, cstate, key
+        return j + 1, tok, active & keep & (j + 1 < s.budget), n + active, tokens.at[:, j].set(tok), probs, carry, \
+            cstate, key
 
     if not sampling.greedy:
         probs = jnp.zeros((b, max_draft, _vocab(step, carry, s)), jnp.float32)
-    start = (0, s.last, ~s.done, jnp.zeros((b,), jnp.int32), tokens, probs, carry, s.cstate, key)
+    start = (0, s.last, ~s.done & (s.budget > 0), jnp.zeros((b,), jnp.int32), tokens, probs, carry, s.cstate, key)
     _, _, _, n, tokens, probs, carry, cstate, _ = jax.lax.while_loop(
         lambda st: (st[0] < max_draft) & jnp.any(st[2]), body, start)
     return tokens, probs, n, carry, cstate
+
+
+def newest(tokens: jax.Array, n: jax.Array, last: jax.Array) -> jax.Array:
+    """Each row's last drafted token of tokens [B, K] (n [B] of them), or its newest committed
+    one, `last` [B], where it drafted none: the token a drafter's own cache still needs fed."""
+    return jnp.where(n > 0, tokens[jnp.arange(tokens.shape[0]), jnp.maximum(n - 1, 0)], last)
 
 
 def draft_candidates(step, carry, s, count: int):

@@ -9,9 +9,8 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 
-from jspec.drafters.base import Drafter, Stack, draft_loop, target_prefill
+from jspec.drafters.base import Drafter, Stack, draft_loop, newest, target_prefill
 from jspec.engine.state import Draft
 from jspec.model import decoder
 from jspec.model.config import ModelConfig
@@ -43,7 +42,7 @@ class DraftModel(Drafter):
 
         tokens, probs, n, dcache, cstate = draft_loop(step, s.dstate.cache, s, controller, sampling, key,
                                                       self.max_draft)
-        final = tokens[jnp.arange(tokens.shape[0]), jnp.maximum(n - 1, 0)]
+        final = newest(tokens, n, s.last)
         _, dcache = decoder.forward(dparams, dcfg, final[:, None], (s.length + n)[:, None], dcache)
         return Draft(tokens, probs, n, s.cache, DraftModelState(dcache), cstate)
 

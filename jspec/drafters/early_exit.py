@@ -21,7 +21,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jspec.drafters.base import Drafter, Stack, draft_candidates, draft_loop
+from jspec.drafters.base import Drafter, Stack, draft_candidates, draft_loop, newest
 from jspec.engine.state import Draft
 from jspec.model import decoder
 
@@ -90,7 +90,7 @@ class EarlyExit(Drafter):
             step, (s.cache, s.dstate), s, controller, sampling, key, self.max_draft)
         # The last proposed token of each row, at slot n, still needs its layer-N state.
         rows = jnp.arange(tokens.shape[0])
-        final = tokens[rows, jnp.maximum(n - 1, 0)]
+        final = newest(tokens, n, s.last)
         h, cache, dstate = self._enter(params, dparams, cfg, cache, dstate, final[:, None], (s.length + n)[:, None])
         dstate = dataclasses.replace(dstate, hidden=dstate.hidden.at[rows, n].set(h[:, 0]))
         return Draft(tokens, probs, n, cache, dstate, cstate)

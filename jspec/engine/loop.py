@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jspec.engine import acceptance
+from jspec.engine import acceptance, pricing
 from jspec.engine.sampling import Sampling, next_token
 from jspec.engine.state import LoopState
 from jspec.engine.width import verify_widths, width_index
@@ -71,32 +71,6 @@ def _chain_rule(drafter, d, target_logits, sampling: Sampling, key):
     return acceptance.rejection(d.tokens, d.probs, d.n, target_logits, sampling, key)
 
 
-STATIC = ("cfg", "sampling", "max_new_tokens", "drafter", "controller", "logprobs", "numerics", "platform", "mesh")
-
-
-@functools.partial(jax.jit, static_argnames=STATIC, donate_argnames=("cache",))
-def generate(params, dparams, cache: decoder.KVCache, tokens, packing: decoder.Packing, eos_ids, key, *,
-             cfg: ModelConfig, sampling: Sampling, max_new_tokens: int, drafter, controller, logprobs: int = 0,
-             numerics: Numerics = Numerics(), platform: str = "cpu", mesh: Mesh | None = None):
-    """tokens [R, T]: B prompts packed as `packing` says (jspec.batching.pack); eos_ids [E].
-
-    Returns (out [B, max_new_tokens] with -1 past each row's end, stats dict of [B] arrays, cache).
-    The cache needs P + max_new_tokens + K + 1 positions, P = packing.bucket. With `logprobs` = k > 0
-    stats also hold "top_ids" and "top_logprobs" [B, max_new_tokens, k]: the target's k most likely
-    next tokens behind each generated token, from the logits the round verified with (what a
-    teacher-forced forward over prompt + output would give, without running one). `platform`, the
-    one the program is for, chooses the verification widths (jspec.engine.width.verify_widths) and
-    the decoder's paths; `numerics` its activation dtype and matmul precision (the cache's dtype is
-    the cache's own). On a `mesh` the returned cache is split as jspec.model.sharding.cache_sharding
-    splits it: the next batch of its shape takes it back (donated) as that batch's program expects.
-    """
-    with tracing(numerics, platform):
-        run = Run(cfg, sampling, max_new_tokens, drafter, controller, logprobs, platform)
-        s = run.start(params, dparams, cache, tokens, packing, eos_ids, key)
-        s = jax.lax.while_loop(lambda s: ~jnp.all(s.done), functools.partial(run.round, params, dparams, eos_ids), s)
-        return (*run.finish(s), sharding.pin_cache(s.cache, mesh))
-
-
 @dataclasses.dataclass(frozen=True)
 class Run:
     """The static half of a decoding program (what it is compiled for); its three stages are
@@ -109,8 +83,14 @@ class Run:
     max_new_tokens: int
     drafter: object
     controller: object
-    logprobs: int
-    platform: str
+    logprobs: int = 0
+    numerics: Numerics = Numerics()
+    platform: str = "cpu"
+    mesh: Mesh | None = None
+
+    def tracing(self):
+        """The context a program of this Run is traced in (jspec.model.numerics.tracing)."""
+        return tracing(self.numerics, self.platform)
 
     def start(self, params, dparams, cache, tokens, packing, eos_ids, key) -> LoopState:
         """Prefill B prompts into `cache` (B rows) and emit each one's first token."""
@@ -135,22 +115,28 @@ class Run:
                          done=jnp.isin(first, eos_ids) | (max_new_tokens == 1), key=key,
                          rounds=jnp.ones((b,), jnp.int32), drafted=zeros, accepted=zeros, dstate=dstate,
                          cstate=self.controller.init(b, k), prompt=prompt_lens,
-                         finite=jnp.isfinite(first_logits).all(axis=-1), steps=jnp.zeros((), jnp.int32), top=top)
+                         finite=jnp.isfinite(first_logits).all(axis=-1), steps=jnp.zeros((), jnp.int32),
+                         budget=jnp.asarray(k, jnp.int32), top=top)
 
-    def round(self, params, dparams, eos_ids, s: LoopState) -> LoopState:
-        """One round: draft, verify, accept, emit, in every row (a done row's results are dropped)."""
+    def round(self, params, dparams, eos_ids, costs, s: LoopState) -> LoopState:
+        """One round: draft, verify, accept, emit, in every row (a done row's results are dropped).
+        With `costs` [K+1] (jspec.engine.pricing) the round drafts as many tokens as they say pays."""
         cfg, sampling, drafter, controller = self.cfg, self.sampling, self.drafter, self.controller
         b, k, logprobs = s.last.shape[0], drafter.max_draft, self.logprobs
         key, k_draft, k_accept = jax.random.split(s.key, 3)
         live = ~s.done
+        if costs is not None:
+            s = dataclasses.replace(s, budget=pricing.draft_length(costs, s.accepted, s.drafted, live))
         d = drafter.draft(params, dparams, cfg, s, controller, sampling, k_draft)
+        if costs is not None:  # a drafter that proposes all at once (n-gram lookup) proposed past it
+            d = dataclasses.replace(d, n=jnp.minimum(d.n, s.budget))
         positions = s.length[:, None] + jnp.arange(k + 1)[None, :]
         fed = jnp.concatenate([s.last[:, None], d.tokens], axis=1)
 
         if d.verified is not None:
             (h, target_logits), cache = d.verified, d.cache
         else:
-            widths = verify_widths(k, self.platform)
+            widths = verify_widths(k, self.platform, plain=costs is not None)
             width = decoder.Width(widths, width_index(widths, jnp.max(jnp.where(live, d.n, 0))))
             at = positions
             if drafter.candidates:  # alternatives all sit at length + 1; chains too only where the Draft says
@@ -198,3 +184,27 @@ class Run:
                  "accepted": s.accepted, "batch_rounds": jnp.broadcast_to(s.steps, s.n.shape), **self.drafter.stats(s.dstate),
                  **(dict(zip(("top_ids", "top_logprobs"), s.top)) if self.logprobs else {})}
         return out, stats
+
+
+@functools.partial(jax.jit, static_argnames=("run",), donate_argnames=("cache",))
+def generate(params, dparams, cache: decoder.KVCache, tokens, packing: decoder.Packing, eos_ids, key, costs, *,
+             run: Run):
+    """tokens [R, T]: B prompts packed as `packing` says (jspec.batching.pack); eos_ids [E]; costs
+    [K+1] prices the rounds (jspec.engine.pricing), or None.
+
+    Returns (out [B, max_new_tokens] with -1 past each row's end, stats dict of [B] arrays, cache).
+    The cache needs P + max_new_tokens + K + 1 positions, P = packing.bucket. With `run.logprobs` =
+    k > 0 stats also hold "top_ids" and "top_logprobs" [B, max_new_tokens, k]: the target's k most
+    likely next tokens behind each generated token, from the logits the round verified with (what a
+    teacher-forced forward over prompt + output would give, without running one). `run.platform`,
+    the one the program is for, chooses the verification widths (jspec.engine.width.verify_widths)
+    and the decoder's paths; `run.numerics` its activation dtype and matmul precision (the cache's
+    dtype is the cache's own). On `run.mesh` the returned cache is split as
+    jspec.model.sharding.cache_sharding splits it: the next batch of its shape takes it back
+    (donated) as that batch's program expects.
+    """
+    with run.tracing():
+        s = run.start(params, dparams, cache, tokens, packing, eos_ids, key)
+        s = jax.lax.while_loop(lambda s: ~jnp.all(s.done), functools.partial(run.round, params, dparams, eos_ids, costs),
+                               s)
+        return (*run.finish(s), sharding.pin_cache(s.cache, run.mesh))

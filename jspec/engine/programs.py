@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import time
 import weakref
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 
@@ -27,8 +27,22 @@ _tables: weakref.WeakSet = weakref.WeakSet()  # every live Programs
 _clock = itertools.count()  # when a program was last asked for, across tables
 
 
+class Signature(NamedTuple):
+    """What a decoding program is compiled for, beside its parameters: a Model's programs are
+    told apart by it."""
+
+    program: str  # loop.generate, or one of jspec.engine.slots' programs, by name
+    rows: int
+    bucket: int | None  # the prompt bucket (None for slots.advance, which prefills nothing)
+    length: int  # the cache's
+    run: object  # jspec.engine.loop.Run: the static half
+    dparams: tuple  # the drafter's parameters' tree structure, shapes and dtypes
+    # the same of the program's own arguments: an admit's batch, whether rounds are priced (costs)
+    args: tuple
+
+
 class Programs:
-    """One Model's compiled programs, by signature."""
+    """One Model's compiled programs, by Signature."""
 
     def __init__(self):
         self._entries: dict = {}  # signature -> [last use, jax.stages.Compiled]

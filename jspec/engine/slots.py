@@ -5,8 +5,9 @@ longest row ends. Here the host (jspec.api) runs three programs over one LoopSta
 
     fill     prefill the first B prompts into the batch's cache (`active` marks the rows that hold one)
     advance  decoding rounds until `need` rows finished that the host has not yet taken, or all did
+             (or a number of rounds passed: jspec.engine.pricing times rounds with it)
     admit    prefill n new prompts and put them into the given slots (rows), mid-run (the host
-             admits one at a time: a program per prompt bucket)
+             admits every free slot's prompt at once, n a power of two: a program per n and bucket)
 
 A round is the same `Run.round` in every program, so each row decodes as it would alone: speculation
 per row, and for the lossless methods the tokens of `ar` at batch 1. A row's cache, tokens,
@@ -26,35 +27,30 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jspec.engine.loop import STATIC, Run
+from jspec.engine.loop import Run
 from jspec.engine.state import LoopState
 from jspec.model import decoder, sharding
-from jspec.model.numerics import Numerics, tracing
 
 
-@functools.partial(jax.jit, static_argnames=STATIC, donate_argnames=("cache",))
-def fill(params, dparams, cache: decoder.KVCache, tokens, packing: decoder.Packing, active, eos_ids, key, *, cfg,
-         sampling, max_new_tokens: int, drafter, controller, logprobs: int = 0, numerics: Numerics = Numerics(),
-         platform: str = "cpu", mesh: Mesh | None = None) -> LoopState:
+@functools.partial(jax.jit, static_argnames=("run",), donate_argnames=("cache",))
+def fill(params, dparams, cache: decoder.KVCache, tokens, packing: decoder.Packing, active, eos_ids, key, *,
+         run: Run) -> LoopState:
     """The batch's first B prompts (packed as in loop.generate) prefilled into `cache`; rows whose
     `active` [B] is False (a run with fewer prompts than slots) start done."""
-    with tracing(numerics, platform):
-        run = Run(cfg, sampling, max_new_tokens, drafter, controller, logprobs, platform)
+    with run.tracing():
         s = run.start(params, dparams, cache, tokens, packing, eos_ids, key)
-        return pinned(dataclasses.replace(s, done=s.done | ~active), mesh)
+        return pinned(dataclasses.replace(s, done=s.done | ~active), run.mesh)
 
 
-@functools.partial(jax.jit, static_argnames=STATIC, donate_argnames=("s",))
-def admit(params, dparams, s: LoopState, tokens, packing: decoder.Packing, slots, eos_ids, key, *, cfg, sampling,
-          max_new_tokens: int, drafter, controller, logprobs: int = 0, numerics: Numerics = Numerics(),
-          platform: str = "cpu", mesh: Mesh | None = None) -> LoopState:
+@functools.partial(jax.jit, static_argnames=("run",), donate_argnames=("s",))
+def admit(params, dparams, s: LoopState, tokens, packing: decoder.Packing, slots, eos_ids, key, *,
+          run: Run) -> LoopState:
     """n prompts (packed) prefilled and put into rows slots [n] of s; a slot of B or more (a padding
     row of the n) is dropped. The prefill's cache is n rows of s's length, beside s's own."""
-    with tracing(numerics, platform):
-        run = Run(cfg, sampling, max_new_tokens, drafter, controller, logprobs, platform)
-        cache = decoder.KVCache.zeros(cfg, packing.lens.shape[0], s.cache.length, s.cache.dtype)
+    with run.tracing():
+        cache = decoder.KVCache.zeros(run.cfg, packing.lens.shape[0], s.cache.length, s.cache.dtype)
         new = run.start(params, dparams, cache, tokens, packing, eos_ids, key)
-        return pinned(put_rows(s, new, slots), mesh)
+        return pinned(put_rows(s, new, slots), run.mesh)
 
 
 def put_rows(s: LoopState, new: LoopState, slots: jax.Array) -> LoopState:
@@ -66,18 +62,16 @@ def put_rows(s: LoopState, new: LoopState, slots: jax.Array) -> LoopState:
     return jax.tree.map(put, s, new)
 
 
-@functools.partial(jax.jit, static_argnames=STATIC, donate_argnames=("s",))
-def advance(params, dparams, s: LoopState, eos_ids, idle, need, *, cfg, sampling, max_new_tokens: int, drafter,
-            controller, logprobs: int = 0, numerics: Numerics = Numerics(), platform: str = "cpu",
-            mesh: Mesh | None = None):
+@functools.partial(jax.jit, static_argnames=("run",), donate_argnames=("s",))
+def advance(params, dparams, s: LoopState, eos_ids, idle, need, costs, until, *, run: Run):
     """Rounds until `need` rows that are not `idle` [B] (rows whose output the host took, or that
-    hold no prompt) are done, or every row is. Returns (s, done [B], out, stats) with out and stats
-    as loop.generate's, for every row."""
-    with tracing(numerics, platform):
-        run = Run(cfg, sampling, max_new_tokens, drafter, controller, logprobs, platform)
-        going = lambda s: ~jnp.all(s.done) & (jnp.sum(s.done & ~idle) < need)  # noqa: E731
-        s = jax.lax.while_loop(going, functools.partial(run.round, params, dparams, eos_ids), s)
-        return (pinned(s, mesh), s.done, *run.finish(s))
+    hold no prompt) are done, or every row is, or the batch has run `until` rounds (s.steps), with
+    rounds priced by `costs` (jspec.engine.pricing) or not (None). Returns (s, done [B], out,
+    stats) with out and stats as loop.generate's, for every row."""
+    with run.tracing():
+        going = lambda s: ~jnp.all(s.done) & (jnp.sum(s.done & ~idle) < need) & (s.steps < until)  # noqa: E731
+        s = jax.lax.while_loop(going, functools.partial(run.round, params, dparams, eos_ids, costs), s)
+        return (pinned(s, run.mesh), s.done, *run.finish(s))
 
 
 def pinned(s: LoopState, mesh: Mesh | None) -> LoopState:

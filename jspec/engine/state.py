@@ -33,6 +33,9 @@ class LoopState:
     prompt: jax.Array  # [B] prompt lengths: where each row's output starts in seq
     finite: jax.Array  # [B] whether the row's first logits were all finite numbers
     steps: jax.Array  # 0-d: rounds the batch has run, in every row at once (done rows too)
+    # 0-d: the most tokens a row may draft this round (max_draft, unless rounds are priced:
+    # jspec.engine.pricing); draft_loop stops there, and the round drops drafts past it.
+    budget: jax.Array
     top: tuple | None = None  # (ids, log-probs) [B, max_new, k] of the target at each emitted token, if asked
 
 

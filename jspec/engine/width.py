@@ -8,19 +8,22 @@ import jax
 import jax.numpy as jnp
 
 
-def verify_widths(max_draft: int, platform: str = "cpu") -> tuple[int, ...]:
+def verify_widths(max_draft: int, platform: str = "cpu", plain: bool = False) -> tuple[int, ...]:
     """The widths a verification can take on `platform` (a jax platform name: cpu, cuda, rocm,
     tpu). On a CPU: 1 + each power of two below K, and K + 1; a round verifies the narrowest that
     holds its longest live draft, so a round whose drafting stopped early does not pay for K + 1
     positions (each width is one more compiled branch per layer; two positions cost about one, so
     a round that proposed nothing still verifies two). Elsewhere K + 1 alone: a forward over K + 1
     positions reads the same weights as one over two, and each branch index would be a copy to
-    the host on a GPU, two a layer (docs/journal/2026-12-02_export-programs.md)."""
+    the host on a GPU, two a layer (docs/journal/2026-12-02_export-programs.md). `plain` adds
+    width 1 on every platform: priced rounds (jspec.engine.pricing) that draft nothing are plain
+    decoding steps."""
     if not max_draft:
         return (1,)
+    one = {1} if plain else set()
     if platform != "cpu":
-        return (1 + max_draft,)
-    return tuple(sorted({1 + min(2 ** i, max_draft) for i in range(max_draft.bit_length())} | {1 + max_draft}))
+        return tuple(sorted(one | {1 + max_draft}))
+    return tuple(sorted(one | {1 + min(2 ** i, max_draft) for i in range(max_draft.bit_length())} | {1 + max_draft}))
 
 
 def width_index(widths: tuple[int, ...], longest: jax.Array) -> jax.Array:

@@ -13,8 +13,8 @@ from typing import NamedTuple
 
 from jspec.controllers import make_controller
 from jspec.errors import JspecError
-from jspec.methods import (ar, draft, eagle, early_exit, eesd, kangaroo, knn_ssd, layer_skip, mjsd, ngram, specee,
-                           wrappers)
+from jspec.methods import (ar, auto, draft, eagle, early_exit, eesd, kangaroo, knn_ssd, layer_skip, mjsd, ngram,
+                           specee, wrappers)
 from jspec.methods.options import Method, Option
 
 REGISTRY: dict[str, Method] = {}
@@ -33,7 +33,7 @@ def register(method: Method) -> None:
     REGISTRY[method.name] = method
 
 
-for _recipe in (ar, draft, eagle, early_exit, eesd, kangaroo, knn_ssd, layer_skip, ngram, mjsd, specee):
+for _recipe in (ar, draft, eagle, early_exit, eesd, kangaroo, knn_ssd, layer_skip, ngram, mjsd, specee, auto):
     register(_recipe.METHOD)
 
 

@@ -161,6 +161,7 @@ class Method:
     lookup: bool = False  # takes --lookup: prompt lookup in front (jspec.methods.wrappers)
     candidates: bool = False  # takes --candidates (jspec.methods.wrappers)
     threshold: float | None = None  # the default controller's threshold, where not the controller's own
+    chooses: str | None = None  # the method it decodes with, for one that chooses (auto): what records name
 
     def default_max_draft(self) -> int:
         return self.max_draft[0] if jax.default_backend() == "cpu" else self.max_draft[1]

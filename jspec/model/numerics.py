@@ -11,8 +11,9 @@ DEFAULT precision a TPU multiplies float32 in bfloat16 passes and a recent NVIDI
 TF32, so float32 activations get HIGHEST precision (a no-op on a CPU). bfloat16 activations get
 DEFAULT: their products are exact at any precision, accumulated in float32.
 
-A program is traced inside `tracing(numerics, platform)` (jspec.engine.loop.generate, whose
-static arguments carry both, so a program is compiled per policy and platform); the decoder asks
+A program is traced inside `tracing(numerics, platform)` (jspec.engine.loop.Run.tracing: a
+program's one static argument, its Run, carries both, so a program is compiled per policy and
+platform); the decoder asks
 `activation_dtype()` and `platform()` while it is traced. Outside, they are float32 and the
 default backend.
 """

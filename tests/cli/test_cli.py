@@ -23,7 +23,7 @@ from jspec.convert import store
 from jspec.jsonl import RecordWriter, read_prompts, read_records
 
 FIELDS = {"id", "text", "token_ids", "new_tokens", "prompt_tokens", "seconds", "tokens_per_second", "numerics",
-          "stats", "prompt_sha256"}
+          "stats", "method", "prompt_sha256"}
 TIMING = ("seconds", "tokens_per_second")
 GEN = ["--max-new-tokens", "4"]
 

@@ -195,8 +195,10 @@ def _drafter_options(model, head_path, eagle_path, drafter):
 def test_batch_rows_equal_batch_one(small, head_path, eagle_path, drafter, tree):
     model, _ = small
     opts = dict(_drafter_options(model, head_path, eagle_path, drafter), tree=tree)
-    run = lambda b: model.generate(PROMPTS, method="mjsd", max_new_tokens=16, batch_size=b, **opts)
-    one, three, two = run(1), run(3), run(2)  # at batch 2 the third prompt is admitted mid-run
+    run = lambda b, batching: model.generate(PROMPTS, method="mjsd", max_new_tokens=16, batch_size=b,  # noqa: E731
+                                             batching=batching, **opts)
+    # in one static batch of three; at batch 2 (continuous) the third prompt is admitted mid-run
+    one, three, two = run(1, "static"), run(3, "static"), run(2, "continuous")
     assert _ids(one) == _ids(three) == _ids(two)
     drop = lambda r: {k: v for k, v in r["stats"].items() if k != "batch_rounds"}  # noqa: E731
     assert [drop(r) for r in one] == [drop(r) for r in three] == [drop(r) for r in two]
@@ -213,7 +215,8 @@ def test_mesh_equals_one_device(small, head_path, eagle_path, kind, tree):
     opts = dict(method="mjsd", head=head_path if kind == "eesd" else eagle_path, max_new_tokens=16, tree=tree)
     for mesh, batch in (("data=2,model=4", 3), ("data=1,model=4", 1)):
         sharded = on_mesh(model, mesh)
-        assert _ids(sharded.generate(PROMPTS, batch_size=batch, **opts)) == _ids(model.generate(PROMPTS, **opts))
+        assert _ids(sharded.generate(PROMPTS, batch_size=batch, batching="static", **opts)) == \
+            _ids(model.generate(PROMPTS, **opts))
 
 
 @pytest.mark.parametrize("kind", ["eesd", "eagle"])
@@ -299,7 +302,7 @@ def test_one_beam_drafts_and_caches_like_the_token_by_token_drafter(small, head_
         dparams = dparams if use_beam else dparams.inner
         _, cache, dstate = drafter.prefill(params, dparams, cfg, tokens, packing, cache)
         s = types.SimpleNamespace(cache=cache, dstate=dstate, last=jnp.array([7, 1]), length=lens,
-                                  done=jnp.zeros(2, bool), cstate=ctrl.init(2, k))
+                                  done=jnp.zeros(2, bool), cstate=ctrl.init(2, k), budget=jnp.asarray(k))
         return drafter.draft(params, dparams, cfg, s, ctrl, Sampling(), jax.random.key(0))
 
     draft = jax.jit(draft, static_argnums=3)

@@ -100,7 +100,7 @@ def test_mask_equals_static_layer_skip(setup):
 
 def test_forced_set_equals_layer_skip(setup):
     """The set skipping both sublayers of layers 1 and 2 decodes as layer-skip (1, 2) does."""
-    opts = dict(max_new_tokens=NEW, batch_size=4)  # knn-ssd's program is test_greedy_equals_ar's at batch 4
+    opts = dict(max_new_tokens=NEW, batch_size=4, batching="static")  # test_greedy_equals_ar's program at batch 4
     ls = setup.target.generate(setup.prompts, method="layer-skip", skip_layers=(1, 2), max_draft=knn_recipe.MAX_DRAFT,
                                controller="confidence", threshold=knn_recipe.THRESHOLD, **opts)
     forced = setup.target.generate(setup.prompts, method="knn-ssd", knn=setup.folder, domain="both-1-2", **opts)
@@ -113,7 +113,7 @@ def test_forced_set_equals_layer_skip(setup):
 @pytest.mark.parametrize("batch_size", [1, 4])
 def test_greedy_equals_ar(setup, batch_size, count_compiles):
     records = setup.target.generate(setup.prompts, method="knn-ssd", knn=setup.folder, max_new_tokens=NEW,
-                                    batch_size=batch_size)
+                                    batch_size=batch_size, batching="static")
     assert ids(records) == setup.ar
     assert [r["stats"]["domain"] for r in records] == [SETS[c].name for c in CHOICE]
     check_stats(records, knn_recipe.MAX_DRAFT)
@@ -127,7 +127,7 @@ def test_pure_jax_path_equals_ar(setup, pure_jax_path, batch_size):
     """Without the native kernels too: they change no token (issue 13)."""
     target = Model(setup.target.cfg, setup.target.params, name="jax-path")
     records = target.generate(setup.prompts, method="knn-ssd", knn=setup.folder, max_new_tokens=NEW,
-                              batch_size=batch_size)
+                              batch_size=batch_size, batching="static")
     assert ids(records) == setup.ar
 
 
@@ -200,7 +200,7 @@ def test_sampling_matches_target_distribution(tmp_path_factory):
                       knn.Knn(fingerprint(cfg), sets, anchors, np.array([0, 1, 0, 1])))
     p1, p12, p3 = exact_marginals(target.cfg, params, SPROMPT, Sampling(1.0))
     records = target.generate([{"token_ids": SPROMPT}] * SAMPLES, method="knn-ssd", knn=str(folder), max_draft=3,
-                              max_new_tokens=3, batch_size=SAMPLE_ROWS, temperature=1.0, seed=17)
+                              max_new_tokens=3, batch_size=SAMPLE_ROWS, batching="static", temperature=1.0, seed=17)
     out = np.array(ids(records))
     assert_sampled_from(np.bincount(out[:, 0], minlength=SV), p1, "first token")
     assert_sampled_from(np.bincount(out[:, 0] * SV + out[:, 1], minlength=SV * SV), p12, "first two tokens")
@@ -229,7 +229,7 @@ def test_mesh_equals_one_device(setup):
     different sets) and on a model-parallel mesh at batch 1 (the sublayers under lax.cond)."""
     for mesh, batch in (("data=2,model=4", 4), ("data=1,model=4", 1)):
         records = on_mesh(setup.target, mesh).generate(setup.prompts, method="knn-ssd", knn=setup.folder,
-                                                       max_new_tokens=NEW, batch_size=batch)
+                                                       max_new_tokens=NEW, batch_size=batch, batching="static")
         assert ids(records) == setup.ar
         assert [r["stats"]["domain"] for r in records] == [SETS[c].name for c in CHOICE]
 
@@ -241,7 +241,7 @@ def test_bfloat16_greedy_equals_ar(setup, batch_size):
     bf16 = in_bfloat16(setup.target)
     ar = ids(bf16.generate(setup.prompts, max_new_tokens=NEW))
     records = bf16.generate(setup.prompts, method="knn-ssd", knn=setup.folder, max_new_tokens=NEW,
-                            batch_size=batch_size)
+                            batch_size=batch_size, batching="static")
     assert ids(records) == ar
     assert sum(r["stats"]["accepted"] for r in records) >= 4
 
@@ -250,5 +250,5 @@ def test_bfloat16_activations_and_cache_run(setup):
     """KNN-SSD's masked sublayers with weights, activations and cache in bfloat16: every row
     decodes, drafts accepted."""
     records = all_bfloat16(setup.target).generate(setup.prompts, method="knn-ssd", knn=setup.folder,
-                                                  max_new_tokens=NEW, batch_size=4)
+                                                  max_new_tokens=NEW, batch_size=4, batching="static")
     assert all(r["new_tokens"] > 0 for r in records) and sum(r["stats"]["accepted"] for r in records) > 0

@@ -52,9 +52,9 @@ def lowered(model: Model, method: str, platform: str, numerics: Numerics = Numer
     cache = decoder.KVCache.zeros(model.cfg, 1, 64, numerics.kv_cache_dtype)
     args = jnp.asarray(tokens), jax.tree.map(jnp.asarray, packing), jnp.asarray(model.cfg.eos_token_ids or (-1,))
     with kernels.off():  # a foreign call cannot be exported: a CPU program is lowered without them
+        run = loop.Run(model.cfg, Sampling(), NEW, drafter, controller, numerics=numerics, platform=platform)
         exported = jax.export.export(loop.generate, platforms=[platform])(
-            model.params, dparams, cache, *args, jax.random.key(0), cfg=model.cfg, sampling=Sampling(),
-            max_new_tokens=NEW, drafter=drafter, controller=controller, numerics=numerics, platform=platform)
+            model.params, dparams, cache, *args, jax.random.key(0), None, run=run)
     return exported.mlir_module()
 
 
@@ -138,11 +138,13 @@ def test_one_width_decodes_what_the_widths_do(model, method, monkeypatch):
     drafts as the narrowest-width branches, at batch 1 and 3 (rows of different acceptance)."""
     prompts = repetitive_prompts((9, 30, 14), model.cfg.vocab_size, seed=4)
     for batch in (1, 3):
-        want = model.generate(prompts, method=method, batch_size=batch, max_new_tokens=NEW, **OPTIONS[method])
+        want = model.generate(prompts, method=method, batch_size=batch, batching="static", max_new_tokens=NEW,
+                              **OPTIONS[method])
         with monkeypatch.context() as m:
             m.setattr(Model, "platform", property(lambda self: "cuda"))
-            got = model.generate(prompts, method=method, batch_size=batch, max_new_tokens=NEW, **OPTIONS[method])
-            assert {sig[-1] for sig in model.programs()} == {"cpu", "cuda"}
+            got = model.generate(prompts, method=method, batch_size=batch, batching="static", max_new_tokens=NEW,
+                                 **OPTIONS[method])
+            assert {sig.run.platform for sig in model.programs()} == {"cpu", "cuda"}
         assert [r["token_ids"] for r in got] == [r["token_ids"] for r in want]
         assert [r["stats"]["accepted"] for r in got] == [r["stats"]["accepted"] for r in want]
     assert sum(r["stats"]["accepted"] for r in want) > 0  # the drafts were tried, and some kept

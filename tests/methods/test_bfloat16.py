@@ -53,7 +53,7 @@ def test_bfloat16_greedy_equals_ar(spec_bf16, drafter, batch_size):
 def spec_all_bf16(spec) -> Spec:
     """spec with weights, activations and cache in bfloat16, and its own batch-4 ar reference."""
     target = all_bfloat16(spec.target)
-    ar = ids(target.generate(spec.prompts, max_new_tokens=NEW, batch_size=4))
+    ar = ids(target.generate(spec.prompts, max_new_tokens=NEW, batch_size=4, batching="static"))
     return dataclasses.replace(spec, target=target, draft=all_bfloat16(spec.draft), free=None, ar=ar)
 
 

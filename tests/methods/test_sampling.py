@@ -56,6 +56,8 @@ SAMPLED = {
     # every token is in the prompt: every round copies (q one-hot), the head's state fed behind it;
     # batch 1 only (lookup is off above it), so fewer samples
     "eesd-lookup": dict(method="eesd", max_draft=3, lookup=1, lookup_draft=3),
+    # the others run static batches (one program each); rows refilled as they end draw alike
+    "eesd-continuous": dict(method="eesd", max_draft=3, batching="continuous", pricing="off"),
 }
 
 
@@ -77,7 +79,7 @@ def small_datastore(small, tmp_path_factory) -> str:
 
 @pytest.mark.parametrize("method", list(SAMPLED))
 def test_sampling_matches_target_distribution(small, small_heads, small_datastore, method):
-    opts = {"temperature": 1.0, **SAMPLED[method]}
+    opts = {"temperature": 1.0, "batching": "static", **SAMPLED[method]}
     if opts.get("datastore") == "small":
         opts["datastore"] = small_datastore
     if opts["method"] == "draft":

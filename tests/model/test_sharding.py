@@ -146,7 +146,8 @@ def test_converted_model_restores_onto_any_mesh_whatever_it_was_saved_from(conve
 def test_draft_model_loaded_apart_drafts_on_the_mesh(converted, prompts, reference):
     """--method draft loads the draft model on its own; its parameters join the target's mesh."""
     m = jspec.load(converted, mesh="data=2,model=4")
-    records = m.generate(prompts[:2], method="draft", draft_model=converted, max_new_tokens=NEW, batch_size=2)
+    records = m.generate(prompts[:2], method="draft", draft_model=converted, max_new_tokens=NEW, batch_size=2,
+                         batching="static")
     assert [r["token_ids"] for r in records] == reference[:2]
     assert all(r["stats"]["accepted"] == r["stats"]["drafted"] > 0 for r in records)  # the target drafts itself
 
@@ -177,7 +178,8 @@ def test_head_saved_on_one_device_drafts_on_a_mesh(converted, prompts, reference
                                                    kind):
     m = jspec.load(converted, mesh="data=2,model=4")
     for batch_size in (1, 2):
-        options = dict(method=kind, head=one_device_heads[kind], max_new_tokens=NEW, batch_size=batch_size)
+        options = dict(method=kind, head=one_device_heads[kind], max_new_tokens=NEW, batch_size=batch_size,
+                       batching="static")
         expected = unsharded.generate(prompts[:2], **options)
         got = m.generate(prompts[:2], **options)
         assert [r["token_ids"] for r in got] == [r["token_ids"] for r in expected] == reference[:2]
@@ -197,7 +199,8 @@ def test_candidates_on_a_mesh(converted, prompts, reference, unsharded, one_devi
     """A head's top 3 side by side at batch 2 on a data=2,model=4 mesh: the same tokens, rounds and
     accepted candidates as on one device (the moved cache entries are split over the model axis)."""
     m = jspec.load(converted, mesh="data=2,model=4")
-    options = dict(method=kind, head=one_device_heads[kind], candidates=3, max_new_tokens=NEW, batch_size=2)
+    options = dict(method=kind, head=one_device_heads[kind], candidates=3, max_new_tokens=NEW, batch_size=2,
+                   batching="static")
     expected = unsharded.generate(prompts[:2], **options)
     got = m.generate(prompts[:2], **options)
     assert [r["token_ids"] for r in got] == [r["token_ids"] for r in expected] == reference[:2]
@@ -227,7 +230,7 @@ def test_datastore_on_a_mesh(converted, prompts, reference, unsharded, tmp_path)
     m = jspec.load(converted, mesh="data=2,model=4")
     _, dparams, _ = methods.build("ngram", m, datastore=path)
     assert all(x.sharding.is_fully_replicated and len(x.sharding.device_set) == 8 for x in dparams.values())
-    options = dict(method="ngram", datastore=path, max_new_tokens=NEW, batch_size=8)
+    options = dict(method="ngram", datastore=path, max_new_tokens=NEW, batch_size=8, batching="static")
     expected = unsharded.generate(prompts, **options)
     got = m.generate(prompts, **options)
     assert [r["token_ids"] for r in got] == [r["token_ids"] for r in expected] == reference

@@ -67,7 +67,7 @@ def make_spec(tmp_path_factory) -> Spec:
     params = damped(params, range(1, 4), DAMP)
     free = Model(dataclasses.replace(cfg, eos_token_ids=()), params, name="free")
     prompts = repetitive_prompts(LENGTHS, cfg.vocab_size, seed=0)
-    free_ar = ids(free.generate(prompts, max_new_tokens=FREE_NEW, batch_size=4))
+    free_ar = ids(free.generate(prompts, max_new_tokens=FREE_NEW, batch_size=4, batching="static"))
     assert all(len(t) == FREE_NEW for t in free_ar)
     # An EOS id the model produces mid-generation (first at index >= 5) in some rows but not all,
     # preferring one that appears in more rows.
@@ -79,7 +79,7 @@ def make_spec(tmp_path_factory) -> Spec:
     dcfg = dataclasses.replace(target.cfg, num_layers=2)
     draft = Model(dcfg, {**params, "layers": params["layers"][:2]}, name="draft")
     ar = ids(target.generate(prompts, max_new_tokens=NEW))
-    assert ids(target.generate(prompts, max_new_tokens=NEW, batch_size=4)) == ar
+    assert ids(target.generate(prompts, max_new_tokens=NEW, batch_size=4, batching="static")) == ar
     for row, full in zip(ar, free_ar):  # EOS cuts the free run right after its first EOS
         full = full[:NEW]
         assert row == (full[:full.index(eos) + 1] if eos in full else full)
@@ -104,11 +104,13 @@ def method_options(spec: Spec, drafter: str, options: dict) -> tuple[str, dict]:
 
 
 def run(spec: Spec, drafter: str, controller: str = "fixed", *, batch_size: int = 4, max_new_tokens: int = NEW,
-        max_draft: int = K, **options):
-    """Greedy records of spec.prompts under spec.target with a DRAFTERS entry and a CONTROLLERS entry."""
+        max_draft: int = K, batching: str = "static", **options):
+    """Greedy records of spec.prompts under spec.target with a DRAFTERS entry and a CONTROLLERS entry.
+    Static batching by default: one program a run, where continuous batching compiles two, and
+    tests/engine/test_slots.py holds every drafter's identity under continuous batching."""
     method, opts = method_options(spec, drafter, {**CONTROLLERS[controller], **options})
     return spec.target.generate(spec.prompts, method=method, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                                max_draft=max_draft, **opts)
+                                max_draft=max_draft, batching=batching, **opts)
 
 
 def check_lossless(spec: Spec, records, k: int = K, fixed_model_drafter: bool = False):
@@ -125,4 +127,4 @@ CANDIDATES = 3
 def run_candidates(spec: Spec, drafter: str, batch_size: int, candidates: int = CANDIDATES):
     method, opts = method_options(spec, drafter, {})
     return spec.target.generate(spec.prompts, method=method, max_new_tokens=NEW, batch_size=batch_size,
-                                candidates=candidates, **opts)
+                                candidates=candidates, batching="static", **opts)

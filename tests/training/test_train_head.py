@@ -309,7 +309,7 @@ def test_a_head_of_the_remaining_layers_is_the_target(lm, tmp_path):
     prompts = token_prompts(4, cfg.vocab_size, seed=3)
     ar = lm.generate(prompts, max_new_tokens=NEW)
     out = lm.generate(prompts, method="eesd", head=str(path), max_draft=3, controller="fixed",
-                      max_new_tokens=NEW, batch_size=4)
+                      max_new_tokens=NEW, batch_size=4, batching="static")
     assert [r["token_ids"] for r in out] == [r["token_ids"] for r in ar]
     assert all(r["stats"]["accepted"] == r["stats"]["drafted"] > 0 for r in out)
 

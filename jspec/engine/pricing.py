@@ -1,0 +1,91 @@
+"""Rounds priced by what they cost on the device: each round drafts the number of tokens that
+maximises the batch's expected tokens per second, none at all when speculation does not pay.
+
+A round that lets each row draft k tokens costs `costs[k]` seconds (k = 0 .. K: a plain decoding
+step at k = 0), measured on the device for the batch's own program (`measure`), so it holds the
+draft steps, the verification over B x (k + 1) positions and the loop's overhead as they are at
+that batch size. A row whose drafts were accepted at rate a (its own counts so far, from a
+uniform prior) emits 1 + a + .. + a^k tokens in expectation, so the round takes
+
+    k* = argmax_k  sum over live rows of (1 - a^(k+1)) / (1 - a)  /  costs[k]
+
+and every row drafts at most k* (its controller may stop it sooner). Priced rounds are lossless
+as any round is: they change how much is drafted, never what is accepted. Where verifying k + 1
+positions costs k + 1 plain steps the round is a plain step; where every k costs the same it
+drafts K.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.errors import JspecError
+
+TIMINGS = 3  # rounds timed one by one at each draft length: the fastest counts
+CHOICES = ("auto", "on", "off")
+
+
+def resolve(pricing, lossless: bool, max_draft: int, continuous: bool):
+    """What `pricing` (generate's option) asks of a run: None (rounds unpriced), "measure", or the
+    costs [K+1] it gives. "auto" prices a lossless method's rounds under continuous batching
+    (above batch size 1), where a verification over B x (K + 1) positions stops being nearly free
+    and the costs are timed on the run's own programs; at batch size 1 the methods ship settings
+    measured to pay there, and static batching keeps its old behaviour."""
+    if isinstance(pricing, str) and pricing not in CHOICES:
+        raise JspecError(f"--pricing must be one of {', '.join(CHOICES)} or K + 1 costs, got {pricing!r}")
+    if isinstance(pricing, str) and pricing in ("auto", "off") or not max_draft:
+        return "measure" if pricing == "auto" and continuous and lossless and max_draft else None
+    if not lossless:  # a lossy method's rule may judge drafts the round would cut (MJSD's beams)
+        raise JspecError("--pricing prices the rounds of lossless methods; this one is lossy")
+    if isinstance(pricing, str):  # "on"
+        return "measure"
+    costs = np.asarray(pricing, np.float32)
+    if costs.shape != (max_draft + 1,) or not np.all(costs > 0):
+        raise JspecError(f"pricing costs must be {max_draft + 1} positive seconds (a round at each draft length "
+                         f"0..{max_draft}), got {pricing!r}")
+    return costs
+
+
+def draft_length(costs: jax.Array, accepted: jax.Array, drafted: jax.Array, live: jax.Array) -> jax.Array:
+    """k* (0-d int32) for rows with `accepted` of `drafted` [B] drafts kept so far, over costs [K+1]."""
+    rate = (accepted.astype(jnp.float32) + 1) / (drafted.astype(jnp.float32) + 2)  # < 1: accepted <= drafted
+    k = jnp.arange(costs.shape[0], dtype=jnp.float32)
+    expected = (1 - rate[:, None] ** (k + 1)) / (1 - rate[:, None])  # [B, K+1]
+    tokens = jnp.sum(jnp.where(live[:, None], expected, 0.0), axis=0)
+    return jnp.argmax(tokens / costs).astype(jnp.int32)
+
+
+def forcing(k: int, max_draft: int) -> np.ndarray:
+    """Costs under which every round drafts k: what `measure` times each length with."""
+    return np.where(np.arange(max_draft + 1) == k, 1.0, np.inf).astype(np.float32)
+
+
+def measure(fill: Callable, advance: Callable, max_draft: int) -> tuple[np.ndarray, object]:
+    """costs [K+1]: the seconds of one round at each draft length, timed on the run's own programs.
+
+    fill() -> a LoopState of the batch's prompts; advance(s, costs, rounds) -> (s, rounds run):
+    at most `rounds` rounds under `costs`. Each length is the fastest of TIMINGS single rounds
+    (the least disturbed by whatever else the machine does); a round that found every row done
+    is timed again from a new fill. A round that may draft more costs at least as much as one
+    that may draft less (more draft steps, a verification as wide or wider), so the costs are made
+    non-decreasing. Returns them and the last state (its cache is the run's)."""
+    s = fill()
+    s, _ = advance(s, forcing(0, max_draft), 1)  # the first call of a program pays for more than its round
+    out = np.full(max_draft + 1, np.inf, np.float32)
+    for k in range(max_draft + 1):
+        for _ in range(TIMINGS):
+            began = time.perf_counter()
+            s, rounds = advance(s, forcing(k, max_draft), 1)
+            seconds = time.perf_counter() - began
+            if not rounds:
+                s = fill()
+                began = time.perf_counter()
+                s, rounds = advance(s, forcing(k, max_draft), 1)
+                seconds = time.perf_counter() - began
+            out[k] = min(out[k], seconds)
+    return np.maximum.accumulate(out), s

@@ -1,0 +1,93 @@
+"""Rounds priced by what they cost (jspec.engine.pricing): priced out, every lossless method
+decodes as `ar` does, round for round; free, it drafts as much as unpriced; measured, the costs
+are the device's and the output is still `ar`'s."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from support.cli import assert_one_error, run as cli_run
+from support.lossless import DRAFTERS, K, NEW, make_spec, run
+from support.spec import ids
+
+from jspec.engine import pricing
+from jspec.errors import JspecError
+
+PRICED_OUT = [float(k + 1) for k in range(K + 1)]  # verifying k + 1 positions costs k + 1 plain steps
+FREE = [1.0] * (K + 1)
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory):
+    return make_spec(tmp_path_factory)
+
+
+def test_draft_length_maximises_expected_tokens_per_second():
+    accepted, drafted, live = jnp.asarray([9, 0]), jnp.asarray([10, 10]), jnp.asarray([True, True])
+    # rates 10/12 and 1/12: expected tokens 1, 1.92, 2.69, ... over costs that grow by 0.2 a token
+    costs = jnp.asarray([1.0, 1.2, 1.4, 1.6, 1.8])
+    expected = [(1 - a ** (k + 1)) / (1 - a) for a in (10 / 12, 1 / 12) for k in range(5)]
+    want = int(np.argmax([(expected[k] + expected[5 + k]) / float(costs[k]) for k in range(5)]))
+    assert int(pricing.draft_length(costs, accepted, drafted, live)) == want and 0 < want < K  # neither end
+    assert int(pricing.draft_length(jnp.asarray(PRICED_OUT), accepted, drafted, live)) == 0
+    assert int(pricing.draft_length(jnp.asarray(FREE), accepted * 0, drafted * 0, live)) == K
+    # a done row counts for nothing: the live one alone, accepting nearly nothing, prices drafting out
+    assert int(pricing.draft_length(costs, accepted, drafted, jnp.asarray([False, True]))) == 0
+
+
+# every drafter, in static batches (one program each: the round is the same); two under continuous
+# batching too, whose advance program takes the costs as well
+@pytest.mark.parametrize("drafter, batching", [(d, "static") for d in DRAFTERS] + [("ngram", "continuous"),
+                                                                                  ("early-exit-1", "continuous")])
+def test_priced_out_is_ar_round_for_round(spec, drafter, batching):
+    records = run(spec, drafter, batching=batching, pricing=PRICED_OUT)
+    assert ids(records) == spec.ar
+    for r in records:
+        assert (r["stats"]["drafted"], r["stats"]["rounds"]) == (0, r["new_tokens"])
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft"])
+def test_free_drafts_what_unpriced_drafts(spec, drafter):
+    unpriced = run(spec, drafter, pricing="off")
+    free = run(spec, drafter, pricing=FREE)
+    assert ids(free) == ids(unpriced) == spec.ar
+    assert [r["stats"] for r in free] == [r["stats"] for r in unpriced]
+
+
+def test_measured_costs_are_the_devices_and_lossless(spec):
+    """auto at batch 4 (continuous) times a round at each draft length, once per model and plan."""
+    model = type(spec.target)(spec.target.cfg, spec.target.params, name="fresh")
+    records = model.generate(spec.prompts, method="early-exit", exit_layer=1, max_draft=K, max_new_tokens=NEW,
+                             batch_size=4)
+    assert ids(records) == spec.ar
+    [costs] = model._costs.values()
+    assert costs.shape == (K + 1,) and np.all(costs > 0)
+    model.generate(spec.prompts, method="early-exit", exit_layer=1, max_draft=K, max_new_tokens=NEW, batch_size=4)
+    assert len(model._costs) == 1  # measured once
+
+
+@pytest.mark.parametrize("pricing_, phrase", [
+    ("sometimes", "--pricing must be one of auto, on, off or K \\+ 1 costs, got 'sometimes'"),
+    ([1.0, 2.0], "pricing costs must be 5 positive seconds"),
+    ([1.0, 0.0, 1.0, 1.0, 1.0], "pricing costs must be 5 positive seconds"),
+])
+def test_bad_pricing_is_refused(spec, pricing_, phrase):
+    with pytest.raises(JspecError, match=phrase):
+        run(spec, "ngram", pricing=pricing_)
+
+
+def test_cli_refuses_a_bad_pricing(capsys):
+    assert_one_error(*cli_run(capsys, "generate", "hi", "--pricing", "never"), "argument --pricing: invalid choice: 'never'")
+
+
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_auto_is_lossless_and_names_its_choice(spec, batch_size):
+    records = spec.target.generate(spec.prompts, method="auto", max_new_tokens=NEW, batch_size=batch_size)
+    assert ids(records) == spec.ar
+    assert {r["method"] for r in records} == {"ngram"}
+
+
+def test_a_lossy_method_is_not_priced(spec):
+    with pytest.raises(JspecError, match="--pricing prices the rounds of lossless methods"):
+        spec.target.generate(spec.prompts[:1], method="mjsd", exit_layer=1, max_new_tokens=2, pricing="on")

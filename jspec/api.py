@@ -32,11 +32,11 @@ from jspec.engine.pricing import measure as measure_costs, resolve as resolve_pr
 from jspec.engine.programs import Programs, Signature
 from jspec.engine.sampling import Sampling
 from jspec.errors import JspecError
-from jspec.model import kernels, sharding
+from jspec.model import kernels, sharding, weights
 from jspec.model.config import ModelConfig
 from jspec.model.decoder import KVCache, Packing
 from jspec.model.layout import param_shapes
-from jspec.model.numerics import DTYPES, Numerics
+from jspec.model.numerics import Numerics
 from jspec.prompts import Prompt, encode as encode_prompt, is_conversation, requests as make_requests
 from jspec.tokenizer import Tokenizer
 
@@ -53,14 +53,16 @@ def load(model: str | None = None, dtype: str | None = None, mesh: str | jax.sha
     `activation_dtype` (jspec.model.numerics: float32, the default, is what keeps speculative
     output token-identical to `ar`). Every process of a multi-process run calls it; a model not yet
     converted is converted once per cache folder (jspec.convert.cache.resolve)."""
-    if dtype is not None and dtype not in DTYPES:
-        raise JspecError(f"unknown dtype {dtype!r}; choose float32 or bfloat16")
+    if dtype is not None and dtype not in weights.DTYPES:
+        raise JspecError(f"unknown dtype {dtype!r}; choose {', '.join(weights.DTYPES)}")
     policy = Numerics(activation_dtype, kv_cache_dtype)
     mesh = sharding.make_mesh(mesh)
     compilation_cache.use_default()
     path = model_cache.resolve(model, dtype)
     cfg, meta = store.read_meta(path)
-    shardings = sharding.shardings(param_shapes(cfg), mesh) if mesh is not None else None
+    # Placed as stored; a cast on load (store.load) keeps each array's split.
+    stored = weights.abstract(param_shapes(cfg), meta["dtype"])
+    shardings = sharding.shardings(stored, mesh) if mesh is not None else None
     cfg, params, tokenizer = store.load(path, dtype, shardings)
     default = model is None or model_cache.is_default(meta["source"])
     return Model(cfg, params, tokenizer, mesh, name=model_cache.DEFAULT_MODEL if default else model, numerics=policy)
@@ -250,9 +252,8 @@ class Model:
 
     @property
     def dtype(self) -> str:
-        """The parameters' dtype, by name (float32, bfloat16)."""
-        dtype = jax.tree.leaves(self.params)[0].dtype
-        return next(name for name, d in DTYPES.items() if d == dtype)
+        """The weights' dtype, by name (float32, bfloat16, int8: jspec.model.weights)."""
+        return weights.dtype_of(self.params)
 
     def policy(self) -> dict:
         """The dtypes and matmul precision its programs run with, as records' settings name them."""

@@ -48,7 +48,7 @@ def check_cache_fits(rows: int, length: int, need: int, stats: dict | None, free
             f"the KV cache of {rows} row{'s' * (rows != 1)} x {length} positions needs {need / GIB:.2f} GiB per "
             f"device but the device has {max(free, 0) / GIB:.2f} GiB free: use a smaller --batch-size or "
             "--max-new-tokens, shorter prompts, a --mesh with more data or model shards, --kv-cache-dtype bfloat16 or "
-            "--dtype bfloat16 weights")
+            "--dtype bfloat16 or int8 weights")
 
 
 def memory_stats(mesh: jax.sharding.Mesh | None) -> list[dict | None]:

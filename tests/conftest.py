@@ -184,6 +184,14 @@ def in_bfloat16(model):
     return Model(model.cfg, jax.tree.map(lambda x: x.astype(jnp.bfloat16), model.params), name=model.name)
 
 
+def in_int8(model):
+    """The same jspec Model with its matrices quantized to int8 (what `--dtype int8` stores)."""
+    from jspec.api import Model
+    from jspec.model import weights
+
+    return Model(model.cfg, weights.cast(model.params, "int8"), name=model.name)
+
+
 def all_bfloat16(model):
     """The same jspec Model with weights, activations and KV cache in bfloat16 (`--dtype bfloat16
     --activation-dtype bfloat16 --kv-cache-dtype bfloat16`)."""

@@ -18,6 +18,25 @@ def test_weights_are_the_published_parameter_counts():
         assert fits.weights_bytes(fits.config(fits.LLAMAS[name]), one) == 2 * params
 
 
+def test_int8_weights_are_a_byte_each_and_a_scale_a_row():
+    """An int8 matrix [N, D]: N*D bytes and N float32 scales, split with its rows; norms float32.
+    The issue's targets: a 70B on a v5e-8, an 8B on one v5e chip (16 GiB) with a small cache."""
+    cfg = fits.config(fits.LLAMAS["Llama-3.1-8B"])
+    one = {"data": 1, "model": 1}
+    bf16, int8 = fits.weights_bytes(cfg, one), fits.weights_bytes(cfg, one, "int8")
+    assert 0.5 < int8 / bf16 < 0.501
+    d, f, v = 4096, 14336, 128256
+    rows = 32 * ((32 + 2 * 8) * 128 + d + 2 * f + d) + 2 * v  # every matrix's output channels
+    norms = (2 * 32 + 1) * d
+    assert int8 == bf16 // 2 - norms + 4 * norms + 4 * rows
+    big = fits.config(fits.LLAMAS["Llama-3.1-70B"])
+    v5e = fits.CHIPS["v5e"] * fits.GIB
+    assert fits.weights_bytes(big, {"data": 1, "model": 8}) > 0.9 * v5e  # bfloat16 does not fit a v5e-8
+    assert fits.weights_bytes(big, {"data": 1, "model": 8}, "int8") + fits.cache_bytes(
+        big, {"data": 1, "model": 8}, rows=8, context=4096) < 0.9 * v5e
+    assert int8 + fits.cache_bytes(cfg, one, rows=1, context=2048, dtype="bfloat16") < 0.9 * v5e < bf16
+
+
 def test_cache_splits_over_kv_heads_only_while_they_divide():
     cfg = fits.config(fits.LLAMAS["Llama-3.1-8B"])  # 8 kv heads
     whole = fits.cache_bytes(cfg, {"data": 1, "model": 1}, rows=8, context=4096)

@@ -1,11 +1,12 @@
-"""What fits where: bfloat16 weights + jspec's KV cache per chip, for Llama shapes on TPU meshes.
+"""What fits where: bfloat16 or int8 weights + jspec's KV cache per chip, for Llama shapes on TPU meshes.
 
 Computed from jspec's own parameter shapes (`jspec.model.layout.param_shapes`) and sharding rules
 (`jspec.model.sharding.RULES`, `CACHE_RULE`): a dimension splits over its mesh axis only when the axis
 size divides it, as in jspec. The KV cache is float32 by default (jspec's default numerics keep
 activations and the cache in float32, docs/design.md "Batch invariance"; `--kv-cache-dtype
 bfloat16` halves it), sized for `--rows` rows per data shard and a context of prompt + new
-tokens + the verification's K + 1.
+tokens + the verification's K + 1. Int8 weights (`--dtype int8`, jspec.model.weights) are a byte
+a parameter and a float32 scale a matrix row, split with their rows.
 
     python tpu_scripts/fits.py                  # the table in tpu_scripts/README.md
     python tpu_scripts/fits.py --context 8192 --rows 16 --kv-cache-dtype bfloat16
@@ -23,7 +24,7 @@ import jax
 import numpy as np
 
 from jspec.convert import store
-from jspec.model import sharding
+from jspec.model import numerics, sharding, weights
 from jspec.model.config import ModelConfig
 from jspec.model.layout import param_shapes
 
@@ -51,23 +52,19 @@ def per_chip(shape: tuple[int, ...], axes: tuple[str | None, ...], mesh: dict[st
     return math.prod(d // mesh[a] if a is not None and d % mesh[a] == 0 else d for d, a in zip(shape, axes))
 
 
-def weights_bytes(cfg: ModelConfig, mesh: dict[str, int]) -> int:
-    def leaves(tree, name=None):
-        if isinstance(tree, dict):
-            for k, v in tree.items():
-                yield from leaves(v, k)
-        elif isinstance(tree, list):
-            for v in tree:
-                yield from leaves(v, name)
-        else:
-            yield name, tree
-
-    return sum(2 * per_chip(shape, sharding.RULES[name], mesh) for name, shape in leaves(param_shapes(cfg)))
+def weights_bytes(cfg: ModelConfig, mesh: dict[str, int], dtype: str = "bfloat16") -> int:
+    """Bytes of the weights stored in `dtype` one chip holds, each array split by its rule (an
+    int8 matrix's scale by its rows' axis)."""
+    total = 0
+    for path, x in jax.tree_util.tree_flatten_with_path(weights.abstract(param_shapes(cfg), dtype))[0]:
+        name = next(k.key for k in reversed(path) if isinstance(k, jax.tree_util.DictKey))
+        total += np.dtype(x.dtype).itemsize * per_chip(x.shape, sharding.RULES[name][:len(x.shape)], mesh)
+    return total
 
 
 def cache_bytes(cfg: ModelConfig, mesh: dict[str, int], rows: int, context: int, dtype: str = "float32") -> int:
     shape = (rows * mesh["data"], context, cfg.num_kv_heads, cfg.head_dim)
-    return 2 * cfg.num_layers * np.dtype(store.DTYPES[dtype]).itemsize * per_chip(shape, sharding.CACHE_RULE, mesh)
+    return 2 * cfg.num_layers * np.dtype(numerics.DTYPES[dtype]).itemsize * per_chip(shape, sharding.CACHE_RULE, mesh)
 
 
 # A converting or loading process before its first piece: jax, orbax and tensorstore. Calibrated on
@@ -78,12 +75,11 @@ PROCESS = 0.5 * GIB
 
 def largest_piece(cfg: ModelConfig, dtype: str = "bfloat16") -> int:
     """Bytes of the largest piece of a converted checkpoint (jspec.convert.store.pieces)."""
-    shapes, itemsize = param_shapes(cfg), np.dtype(store.DTYPES[dtype]).itemsize
+    stored = weights.abstract(param_shapes(cfg), dtype)
     per_piece = store.layers_per_piece(cfg, dtype)
-    sizes = [sum(math.prod(shapes[name]) for name in part) if isinstance(part, tuple)
-             else sum(math.prod(s) for layer in shapes["layers"][part.start:part.stop] for s in layer.values())
-             for _, part in store.pieces(cfg, per_piece)]
-    return max(sizes) * itemsize
+    return max(weights.nbytes([stored[name] for name in part] if isinstance(part, tuple)
+                              else stored["layers"][part.start:part.stop])
+               for _, part in store.pieces(cfg, per_piece))
 
 
 def host_memory(cfg: ModelConfig) -> tuple[int, int]:
@@ -100,17 +96,20 @@ def main() -> None:
     p.add_argument("--context", type=int, default=4096, help="cache positions per row (default: 4096)")
     p.add_argument("--kv-cache-dtype", default="float32", choices=("float32", "bfloat16"))
     args = p.parse_args()
-    print(f"bfloat16 weights + {args.kv_cache_dtype} KV cache for {args.rows} rows per data shard x {args.context} positions, "
-          f"GiB per chip (jax {jax.__version__}); 'yes' where it leaves 10% of HBM free\n")
-    print("| model | mesh (data x model) | chips | weights | KV cache | total | " + " | ".join(CHIPS) + " |")
+    print(f"bfloat16 or int8 weights + {args.kv_cache_dtype} KV cache for {args.rows} rows per data shard x "
+          f"{args.context} positions, GiB per chip (jax {jax.__version__}); a chip's column says whether bfloat16 / "
+          "int8 weights fit, leaving 10% of HBM free\n")
+    print("| model | mesh (data x model) | chips | weights bf16 | weights int8 | KV cache | "
+          + " | ".join(CHIPS) + " |")
     print("| --- | --- | ---: | ---: | ---: | ---: | " + " | ".join("---" for _ in CHIPS) + " |")
     for name, shape in LLAMAS.items():
         cfg = config(shape)
         for data, model in MESHES:
             mesh = {"data": data, "model": model}
-            w, kv = weights_bytes(cfg, mesh) / GIB, cache_bytes(cfg, mesh, args.rows, args.context, args.kv_cache_dtype) / GIB
-            fits = ["yes" if w + kv <= 0.9 * hbm else "no" for hbm in CHIPS.values()]
-            print(f"| {name} | {data} x {model} | {data * model} | {w:.1f} | {kv:.1f} | {w + kv:.1f} | "
+            bf16, int8 = (weights_bytes(cfg, mesh, d) / GIB for d in ("bfloat16", "int8"))
+            kv = cache_bytes(cfg, mesh, args.rows, args.context, args.kv_cache_dtype) / GIB
+            fits = [" / ".join("yes" if w + kv <= 0.9 * hbm else "no" for w in (bf16, int8)) for hbm in CHIPS.values()]
+            print(f"| {name} | {data} x {model} | {data * model} | {bf16:.1f} | {int8:.1f} | {kv:.1f} | "
                   + " | ".join(fits) + " |")
     print("\nConverting (`jspec convert`, on any host) and loading (per host, onto its accelerators), bfloat16, "
           "GiB of host memory\n")

@@ -62,10 +62,14 @@ def _results(lines, kind: str, dims: set[tuple[int, ...]], ops: tuple[str, ...] 
 
 
 def weight_copies(compiled, params) -> int:
-    """Float32 arrays of a bfloat16 weight's shape that the program writes to memory (outside a
-    fusion): a widened copy of a weight, made once (hoisted) or every step."""
-    dims = {tuple(x.shape) for x in jax.tree.leaves(params) if x.ndim == 2 and str(x.dtype) == "bfloat16"}
-    return sum(_results(lines, "f32", dims) for _, _, lines in computations(compiled.as_text()))
+    """Wider arrays of a narrow weight's shape that the program writes to memory (outside a
+    fusion): float32 of a bfloat16 weight, float32 or bfloat16 of an int8 one (jspec.model.weights)
+    -- a widened copy of a weight, made once (hoisted) or every step."""
+    leaves = jax.tree.leaves(params)
+    bf16 = {tuple(x.shape) for x in leaves if x.ndim == 2 and str(x.dtype) == "bfloat16"}
+    int8 = {tuple(x.shape) for x in leaves if x.ndim == 2 and str(x.dtype) == "int8"}
+    return sum(_results(lines, "f32", bf16 | int8) + _results(lines, "bf16", int8)
+               for _, _, lines in computations(compiled.as_text()))
 
 
 def cache_relayouts(compiled, cfg, rows: int, length: int, dtype: str) -> int:

@@ -7,6 +7,7 @@ import argparse
 import logging
 
 from jspec import methods
+from jspec.model import weights
 from jspec.errors import JspecError
 
 TYPES = {"int": int, "float": float, "str": str, "model": str}  # "layers" and "bool": below
@@ -34,9 +35,10 @@ def add_model_options(p: argparse.ArgumentParser, decodes: bool = True) -> None:
     g.add_argument("--model", default=None, metavar="PATH_OR_ID",
                    help="a converted jspec folder, a GGUF file, a Hugging Face folder or a hub id in the "
                         "local HF cache (default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+    g.add_argument("--dtype", default=None, choices=weights.DTYPES,
                    help="the weights' dtype (default: the checkpoint's own: bfloat16 for most Hugging Face "
-                        "models, float32 for GGUF files and the default model)")
+                        "models, float32 for GGUF files and the default model); int8: one scale per output "
+                        "channel, quantized once on conversion")
     g.add_argument("--mesh", default=None, metavar="data=N,model=M",
                    help="shard over a device mesh: batch rows over 'data', tensor parallel over 'model'")
     if not decodes:

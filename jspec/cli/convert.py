@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from jspec.model import weights
+
 HELP = "convert a GGUF file or Hugging Face model into a fast-loading jspec folder"
 DESCRIPTION = ("Convert SRC (a GGUF file, a Hugging Face folder, or a hub id in the local HF cache) into the jspec "
                "checkpoint folder OUT, or without OUT into jspec's cache, where --model SRC finds it (a TPU pod's "
@@ -15,9 +17,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", metavar="SRC", help="GGUF file, Hugging Face folder, or cached hub id")
     p.add_argument("out", metavar="OUT", nargs="?", default=None,
                    help="the folder to write (must not exist, or be empty); default: jspec's cache")
-    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+    p.add_argument("--dtype", default=None, choices=weights.DTYPES,
                    help="stored parameter dtype (default: the checkpoint's own: bfloat16 for most Hugging Face "
-                        "models, float32 for GGUF files)")
+                        "models, float32 for GGUF files); int8 quantizes every matrix, one scale per output channel")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -51,10 +51,12 @@ def run(args: argparse.Namespace) -> int:
     except RuntimeError as e:  # a backend that cannot start is what the report is about
         rows.append(("jax devices", f"unavailable: {one_line(e)}"))
     rows.append(("native kernel", f"not used: {kernels.unavailable}" if kernels.unavailable
-                 else f"used on a CPU for up to {kernels.MAX_ROWS} float32 rows and every bfloat16 weight, "
+                 else f"used on a CPU for up to {kernels.MAX_ROWS} float32 rows, every bfloat16 weight and up "
+                      f"to {kernels.MAX_INT8_ROWS} rows of an int8 one, "
                       f"and for attention over up to {kernels.MAX_QUERIES} positions a row"))
     policy, bf16 = Numerics(), Numerics("bfloat16")
-    rows.append(("numerics", f"weights in the checkpoint's dtype (--dtype), activations {policy.activations} "
+    rows.append(("numerics", f"weights in the checkpoint's dtype (--dtype: float32, bfloat16 or int8), "
+                             f"activations {policy.activations} "
                              f"(--activation-dtype), KV cache {policy.kv_cache} (--kv-cache-dtype), products of "
                              f"float32 at {policy.precision.upper()} precision, of bfloat16 at "
                              f"{bf16.precision.upper()}"))

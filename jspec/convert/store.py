@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import subprocess
 import sys
@@ -34,9 +33,8 @@ import numpy as np
 
 from jspec.errors import JspecError, first_line
 from jspec.files import writing_folder
-from jspec.model import layout
+from jspec.model import layout, weights
 from jspec.model.config import ModelConfig
-from jspec.model.numerics import DTYPES
 from jspec.tokenizer import Tokenizer
 
 # 6: parameters in pieces of chunked arrays, gate and up interleaved (jspec.model.layout.gate_up).
@@ -81,8 +79,8 @@ def _read_source(src: str) -> tuple[dict, Mapping[str, np.ndarray], Tokenizer | 
 def convert(src: str, out: str | os.PathLike, dtype: str | None = None) -> Path:
     """Convert a GGUF file, an HF folder or a cached hub id into a jspec checkpoint at `out`, in
     `dtype` (None: the source's own, `jspec.convert.hf.source_dtype`; float32 for GGUF)."""
-    if dtype is not None and dtype not in DTYPES:
-        raise JspecError(f"unknown dtype {dtype!r}; choose float32 or bfloat16")
+    if dtype is not None and dtype not in weights.DTYPES:
+        raise JspecError(f"unknown dtype {dtype!r}; choose {', '.join(weights.DTYPES)}")
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise JspecError(f"output folder {out} exists and is not empty" if out.is_dir() else f"{out} is a file")
@@ -97,7 +95,8 @@ def convert(src: str, out: str | os.PathLike, dtype: str | None = None) -> Path:
         # Chat models end turns with their own token (<|im_end|>, <|eot_id|>): stop there too.
         eos = {tokenizer.eos_token_id, *cfg.eos_token_ids} - {None}
         cfg = ModelConfig.from_json({**cfg.to_json(), "eos_token_ids": sorted(eos)})
-    kind = DTYPES[dtype]
+    # Quantized (int8) after fusing, in float32: a fused matrix's rows keep their own scales.
+    kind = weights.FLOATS.get(dtype, np.float32)
 
     def piece(part: tuple[str, ...] | range):
         if isinstance(part, tuple):
@@ -151,7 +150,7 @@ def _part(tree, part: tuple[str, ...] | range):
 def layers_per_piece(cfg: ModelConfig, dtype: str) -> int:
     """How many whole layers a piece holds: as many as fit PIECE_BYTES, at least one."""
     layer = layout.param_shapes(cfg)["layers"][0]
-    layer_bytes = sum(math.prod(shape) for shape in layer.values()) * np.dtype(DTYPES[dtype]).itemsize
+    layer_bytes = weights.nbytes(weights.abstract(layer, dtype))
     return max(1, min(cfg.num_layers, PIECE_BYTES // layer_bytes))
 
 
@@ -159,10 +158,9 @@ def _write(out, cfg: ModelConfig, piece, tokenizer: Tokenizer | None, dtype: str
     """Write a checkpoint folder (under a temporary name, renamed when complete); `piece(part)`
     gives each piece's tree, made only when it is written."""
     per_piece = layers_per_piece(cfg, dtype)
-    stored = np.dtype(DTYPES[dtype])
     with writing_folder(out, META) as tmp:
         for name, part in pieces(cfg, per_piece):
-            tree = jax.tree.map(lambda x: np.asarray(x).astype(stored, copy=False), piece(part))
+            tree = weights.cast(jax.tree.map(np.asarray, piece(part)), dtype)
             _save_piece(tmp / "params" / name, tree)
             del tree
         if tokenizer is not None:
@@ -245,7 +243,7 @@ def saved_tree(path: Path):
 
 def named_leaves(tree) -> dict[str, object]:
     """Each leaf of `tree` under its slash-separated name ("layers/0/wqkv")."""
-    name = lambda key: str(getattr(key, "key", getattr(key, "idx", key)))  # noqa: E731
+    name = lambda key: str(getattr(key, "key", getattr(key, "idx", getattr(key, "name", key))))  # noqa: E731
     return {"/".join(map(name, path)): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
@@ -288,17 +286,15 @@ def load(path: str | os.PathLike, dtype: str | None = None, shardings=None):
     """
     path = Path(path).absolute()
     cfg, meta = read_meta(path)
-    stored = DTYPES[meta["dtype"]]
-    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, stored), layout.param_shapes(cfg),
-                          is_leaf=lambda x: isinstance(x, tuple))
-    cast = (lambda x: x) if dtype is None or DTYPES[dtype] == stored else (lambda x: x.astype(DTYPES[dtype]))
+    target = weights.abstract(layout.param_shapes(cfg), meta["dtype"])
+    cast = (lambda x: x) if dtype is None or dtype == meta["dtype"] else (lambda x: weights.cast(x, dtype))
     params = {"layers": []}
     for name, part in pieces(cfg, meta["layers_per_piece"]):
         placed = None if shardings is None else _part(shardings, part)
         with reading(path / "params" / name):
             restored = restore(path / "params" / name, _part(target, part), placed)
         check_finite(restored, path / "params" / name)
-        restored = jax.tree.map(cast, restored)
+        restored = cast(restored)
         if isinstance(part, tuple):
             params.update(restored)
         else:
@@ -318,8 +314,8 @@ def read_meta(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
         raise JspecError(f"{where} is not a JSON object; convert the model again")
     if meta.get("format") != FORMAT:
         raise JspecError(f"{path} was written by another jspec version (format {meta.get('format')}); convert again")
-    if meta.get("dtype") not in DTYPES:
-        raise JspecError(f"{where}: dtype {meta.get('dtype')!r} is not one of {', '.join(DTYPES)}")
+    if meta.get("dtype") not in weights.DTYPES:
+        raise JspecError(f"{where}: dtype {meta.get('dtype')!r} is not one of {', '.join(weights.DTYPES)}")
     per_piece = meta.get("layers_per_piece")
     if type(per_piece) is not int or per_piece < 1:
         raise JspecError(f"{where}: layers_per_piece must be a whole number >= 1, got {per_piece!r}")

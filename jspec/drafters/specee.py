@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jspec.drafters.base import Drafter, only_if
 from jspec.engine.sampling import argmax
 from jspec.engine.state import Draft
-from jspec.model import decoder
+from jspec.model import decoder, weights
 from jspec.parts import heads, predictors
 
 RECENT = 5  # exit depths remembered per row for the online schedule
@@ -205,7 +205,7 @@ def candidates(cfg, hp, h, positions, head_kv):
     x, head_kv = heads.block(cfg, hp, h, positions, head_kv)
     sub = decoder.linear(x[:, 0], hp["lm_head"], jnp.float32)  # [B, M]
     _, idx = jax.lax.top_k(sub, predictors.CANDIDATES)
-    return hp["vocab"][idx], jnp.take(hp["lm_head"], idx, axis=0).astype(jnp.float32), head_kv
+    return hp["vocab"][idx], weights.as_float(weights.take_rows(hp["lm_head"], idx)), head_kv
 
 
 def _rest(cfg, lp, positions, k, v, valid, going, h, q):
@@ -226,11 +226,14 @@ def kv_weights(params, cfg, first: int) -> list[dict]:
     """Each layer from `first` on: the K and V rows of its QKV projection ([K*2*H, D], per kv
     group its k then its v), so the fill need not compute the queries."""
     g, hd = cfg.group_size, cfg.head_dim
+
+    def kv_rows(a):  # of a matrix [N, D], or of a bias or an int8 matrix's scale [N]
+        return a.reshape(cfg.num_kv_heads, g + 2, hd, *a.shape[1:])[:, g:].reshape(-1, *a.shape[1:])
+
     out = []
     for lp in params["layers"][first:]:
-        w = lp["wqkv"].reshape(cfg.num_kv_heads, g + 2, hd, -1)[:, g:].reshape(-1, lp["wqkv"].shape[-1])
-        entry = {"wqkv": w}
+        entry = {"wqkv": lp["wqkv"].rows(kv_rows) if weights.is_int8(lp["wqkv"]) else kv_rows(lp["wqkv"])}
         if "bqkv" in lp:
-            entry["bqkv"] = lp["bqkv"].reshape(cfg.num_kv_heads, g + 2, hd)[:, g:].reshape(-1)
+            entry["bqkv"] = kv_rows(lp["bqkv"])
         out.append(entry)
     return out

@@ -45,7 +45,7 @@ from typing import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from jspec.model import kernels, numerics
+from jspec.model import kernels, numerics, weights
 from jspec.model.attention import attention, block_attention, prefill_attention
 from jspec.model.config import ModelConfig, rope_inv_freq
 
@@ -264,7 +264,11 @@ class Width:
 def embed(params: Params, tokens: jax.Array) -> jax.Array:
     """The residual stream, in the activation dtype of the program being traced: float32 unless
     its Numerics say otherwise (jspec.model.numerics says why). Every later activation keeps it."""
-    return params["embed"][tokens].astype(numerics.activation_dtype())
+    table = params["embed"]
+    if weights.is_int8(table):
+        return (table.values[tokens].astype(jnp.float32) * table.scale[tokens][..., None]).astype(
+            numerics.activation_dtype())
+    return table[tokens].astype(numerics.activation_dtype())
 
 
 def run_layers(params: Params, cfg: ModelConfig, h: jax.Array, positions: jax.Array | Packing | None, cache: KVCache,
@@ -317,27 +321,39 @@ def _sublayer(skip_rows: jax.Array, fn, h: jax.Array, *rest) -> jax.Array:
     return jax.lax.cond(jnp.all(skip_rows), lambda h, *rest: h, run, h, *rest)
 
 
-def linear(x: jax.Array, w: jax.Array, dtype=None) -> jax.Array:
+def linear(x: jax.Array, w, dtype=None) -> jax.Array:
     """x [..., D] times w [N, D] transposed -> [..., N], accumulated in float32 and returned in
-    `dtype` (default: x's). Every weight matrix, the LM head included, is read this way.
+    `dtype` (default: x's). Every weight matrix, the LM head included, is read this way; w is a
+    float array or an `Int8` (jspec.model.weights), whose values are multiplied as stored and
+    whose scale multiplies each output after its sum.
 
-    A bfloat16 weight times float32 rows is widened as it is read. On a CPU a few rows (a decode step, a verification, a step of a batch) take a faster path
-    than XLA's matmul, which for so few rows repacks (or, in bfloat16, converts) the whole
-    weight first (docs/design.md): jspec's native kernel for the float32 rows where it wins
+    A bfloat16 or int8 weight times float32 rows is widened as it is read. On a CPU a few rows (a
+    decode step, a verification, a step of a batch) take a faster path than XLA's matmul, which
+    for so few rows repacks (or, for a narrower weight, converts) the whole weight first
+    (docs/design.md): jspec's native kernel for the float32 rows where it wins
     (jspec/model/kernels, where it is built), else a multiply-and-sum over D, which XLA fuses into
     one loop over w. Their rounding differs from the matmul's near 1e-6 of a logit, which has
     not changed a token in any measured run."""
     dtype = x.dtype if dtype is None else dtype
     rows = math.prod(x.shape[:-1])
+    flat = x.reshape(rows, -1)
     if kernels.takes(x, w, rows):
-        return kernels.matmul(x.reshape(rows, -1), w).reshape(*x.shape[:-1], -1).astype(dtype)
-    # A float32 row alone takes XLA's matrix-vector kernel; a bfloat16 weight needs the
+        return kernels.matmul(flat, w).reshape(*x.shape[:-1], -1).astype(dtype)
+    values = w.values if weights.is_int8(w) else w
+    # A float32 row alone takes XLA's matrix-vector kernel; a narrower weight needs the
     # multiply-and-sum even then, as XLA's product with it converts the whole weight first.
-    if (2 <= rows or w.dtype != x.dtype) and rows <= SMALL_ROWS and numerics.platform() == "cpu":
+    if (2 <= rows or values.dtype != x.dtype) and rows <= SMALL_ROWS and numerics.platform() == "cpu":
         # Rows major, so the result needs no transpose: faster than [N, rows] transposed after.
-        out = jnp.sum(w[None].astype(jnp.float32) * x.reshape(rows, 1, -1).astype(jnp.float32), axis=-1)
-        return out.reshape(*x.shape[:-1], -1).astype(dtype)
-    return jnp.einsum("...d,nd->...n", x, w, preferred_element_type=jnp.float32).astype(dtype)
+        out = jnp.sum(values[None].astype(jnp.float32) * flat[:, None].astype(jnp.float32), axis=-1)
+    elif weights.is_int8(w):
+        # The int8 values go to the dot as they are: a TPU multiplies mixed operands so, and XLA
+        # on a GPU fuses their widening into its matmul rather than widening the weight first.
+        out = jax.lax.dot_general(flat, values, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    else:
+        out = jnp.einsum("rd,nd->rn", flat, w, preferred_element_type=jnp.float32)
+    if weights.is_int8(w):
+        out = out * w.scale
+    return out.reshape(*x.shape[:-1], -1).astype(dtype)
 
 
 def head_weight(params: Params) -> jax.Array:

@@ -83,13 +83,15 @@ def _spec(mesh: Mesh, axes: tuple[str | None, ...], shape: tuple[int, ...]) -> P
 
 
 def shardings(tree, mesh: Mesh, rules: dict[str, tuple[str | None, ...]] = RULES):
-    """A NamedSharding for every leaf of `tree` (arrays, or shapes as tuples), by the rules entry of
-    the name it is stored under (its dict key)."""
+    """A NamedSharding for every leaf of `tree` (arrays, ShapeDtypeStructs, or shapes as tuples),
+    by the rules entry of the name it is stored under (its dict key). An int8 matrix's scale
+    (jspec.model.weights.Int8) follows its rows: the rule's first axis."""
 
     def one(path, leaf):
-        name = re.sub(r"\W", "", str(path[-1]))
+        key = next(k for k in reversed(path) if not isinstance(k, jax.tree_util.GetAttrKey))
         shape = leaf if isinstance(leaf, tuple) else leaf.shape
-        return NamedSharding(mesh, _spec(mesh, rules[name], shape))
+        rule = rules[re.sub(r"\W", "", str(key))]
+        return NamedSharding(mesh, _spec(mesh, rule[:len(shape)], shape))
 
     return jax.tree_util.tree_map_with_path(one, tree, is_leaf=lambda x: isinstance(x, tuple))
 

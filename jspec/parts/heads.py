@@ -45,7 +45,7 @@ from jax.sharding import Mesh
 
 from jspec.convert import store
 from jspec.errors import JspecError
-from jspec.model import decoder, layout, sharding
+from jspec.model import decoder, layout, sharding, weights
 from jspec.model.config import ModelConfig
 from jspec.parts import folder
 
@@ -84,7 +84,7 @@ def init(params, cfg: ModelConfig, kind: str, exit_layer: int, vocab: jax.Array,
     if not 1 <= depth <= most:
         raise JspecError(f"{kind} heads exiting at layer {exit_layer} have 1 to {most} layers, not {depth}")
     names = _ATTENTION + (_MLP if kind != "kangaroo" else ())
-    layers = [{k: jnp.array(src[k], jnp.float32) for k in names if k in src}
+    layers = [{k: jnp.array(weights.as_float(src[k])) for k in names if k in src}
               for src in params["layers"][first:first + depth]]
     hp = {"layers": layers, "norm": jnp.array(params["final_norm"], jnp.float32),
           "vocab": jnp.asarray(vocab, jnp.int32)}
@@ -142,7 +142,7 @@ def empty_kv(cfg: ModelConfig, hp: dict, batch: int, length: int) -> decoder.KVC
 
 def draft_params(params, hp: dict) -> dict:
     """What drafting needs: the head and the LM head's rows of its vocabulary [M, D]."""
-    return {**hp, "lm_head": jnp.take(decoder.head_weight(params), hp["vocab"], axis=0)}
+    return {**hp, "lm_head": weights.take_rows(decoder.head_weight(params), hp["vocab"])}
 
 
 def readout(cfg: ModelConfig, dparams: dict, h: jax.Array) -> jax.Array:
@@ -281,7 +281,10 @@ def load_for(model, kind: str, path: str | os.PathLike | None = None) -> tuple[d
 
 def drafting(model, hp: dict) -> dict:
     """What a drafter runs of head `hp` on `model` (draft_params), in the model's dtype (the
-    vocabulary's ids stay int32), on the model's mesh."""
-    dtype = model.params["embed"].dtype
-    dparams = jax.tree.map(lambda x: x if x.dtype == jnp.int32 else x.astype(dtype), draft_params(model.params, hp))
+    vocabulary's ids stay int32), on the model's mesh. On an int8 model the head's own weights,
+    trained in float, stay float32 (a few MB), and the LM head's rows stay int8 with their scales."""
+    dtype = weights.FLOATS.get(model.dtype, jnp.float32)
+    keep = lambda x: weights.is_int8(x) or x.dtype == jnp.int32  # noqa: E731
+    dparams = jax.tree.map(lambda x: x if keep(x) else x.astype(dtype), draft_params(model.params, hp),
+                           is_leaf=weights.is_int8)
     return sharding.place(dparams, model.mesh, RULES)

@@ -48,7 +48,7 @@ import optax
 from jspec import files
 from jspec.convert import store
 from jspec.errors import JspecError
-from jspec.model import decoder as M
+from jspec.model import decoder as M, weights
 from jspec.parts import folder, heads
 from jspec.training import distill, head_data
 
@@ -118,7 +118,7 @@ def evaluate_head(lm, head: str | Path, folders: list, data_folders: int, fracti
 def _frozen(params, hp: dict) -> dict:
     """What training reads of the target: the LM head's rows of the draft vocabulary, and for an
     EAGLE head the embedding."""
-    return {"vocab": hp["vocab"], "lm_head": heads.draft_params(params, hp)["lm_head"].astype(jnp.float32),
+    return {"vocab": hp["vocab"], "lm_head": weights.as_float(heads.draft_params(params, hp)["lm_head"]),
             **({"embed": params["embed"]} if "fuse" in hp else {})}
 
 

@@ -26,7 +26,7 @@ import optax
 
 from jspec.batching import batches, prompt_bucket
 from jspec.errors import JspecError
-from jspec.model import decoder as M
+from jspec.model import decoder as M, weights
 from jspec.parts import folder, heads, predictors
 
 SCHEDULE_SHARE = 0.02
@@ -44,7 +44,7 @@ def _depth_arrays(params, hp, tokens, *, cfg, exit_layer: int, full: bool, state
     h, cache = M.run_layers(params, cfg, M.embed(params, tokens), None, M.KVCache.zeros(cfg, b, t), range(exit_layer))
     x, _ = heads.block(cfg, hp, h, None, heads.empty_kv(cfg, hp, b, t))
     _, idx = jax.lax.top_k(M.linear(x, hp["lm_head"], jnp.float32), predictors.CANDIDATES)
-    rows = jnp.take(hp["lm_head"], idx, axis=0).astype(jnp.float32)  # [B, T, C, D]
+    rows = weights.as_float(weights.take_rows(hp["lm_head"], idx))  # [B, T, C, D]
     cand_logits, argmaxes, zs = [], [], []
     for d in range(exit_layer, cfg.num_layers):
         z = M.rms_norm(h, params["final_norm"], cfg.rms_norm_eps)

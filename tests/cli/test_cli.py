@@ -124,6 +124,21 @@ def test_generate_in_bfloat16_names_its_numerics(capsys, tiny, tmp_path, monkeyp
     assert [r["numerics"] for r in read_jsonl(out)] == [policy] * len(PROMPTS)
 
 
+def test_generate_and_convert_in_int8(capsys, tiny, tmp_path):
+    """--dtype int8 from the command line: generate quantizes a float folder on load, its records
+    say int8, and a second run (quantized again) emits the same tokens. (convert: test_convert.)"""
+    prompts = write_lines(tmp_path / "in.jsonl", *PROMPTS)
+    code, _, err = run(capsys, "generate", "--prompts", prompts, "--output", tmp_path / "a.jsonl", "--model", tiny,
+                       "--dtype", "int8", "--method", "ngram", *GEN)
+    assert code == 0, err
+    records = read_jsonl(tmp_path / "a.jsonl")
+    assert [r["numerics"]["dtype"] for r in records] == ["int8"] * len(PROMPTS)
+    code, _, err = run(capsys, "generate", "--prompts", prompts, "--output", tmp_path / "b.jsonl", "--model", tiny,
+                       "--dtype", "int8", *GEN)
+    assert code == 0, err
+    assert [r["token_ids"] for r in read_jsonl(tmp_path / "b.jsonl")] == [r["token_ids"] for r in records]
+
+
 def test_resume_keeps_finished_records(capsys, tiny, tmp_path):
     prompts = write_lines(tmp_path / "in.jsonl", *PROMPTS)
     ref = tmp_path / "ref.jsonl"
@@ -269,6 +284,9 @@ def test_convert(capsys, tmp_path):
     code, out, err = run(capsys, "convert", tmp_path / "hf", tmp_path / "conv", "--dtype", "bfloat16")
     assert code == 0, err
     assert re.search(r"conv: llama, 1 layers, bfloat16, \d+\.\d\d GiB in \d+\.\d s", out), out
+    code, out, err = run(capsys, "convert", tmp_path / "hf", tmp_path / "int8", "--dtype", "int8")
+    assert code == 0 and re.search(r"int8: llama, 1 layers, int8, ", out), (out, err)
+    assert store.read_meta(tmp_path / "int8")[1]["dtype"] == "int8"
     assert store.is_converted(tmp_path / "conv") and store.read_meta(tmp_path / "conv")[1]["dtype"] == "bfloat16"
     assert all(line.startswith("jspec: warning: ") for line in err.splitlines()), err  # no tokenizer: one line
     assert_one_error(*run(capsys, "convert", tmp_path / "hf", tmp_path / "conv"), "exists and is not empty")

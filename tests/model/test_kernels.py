@@ -1,4 +1,4 @@
-"""jspec's native kernels (jspec/model/kernels): the few-rows matmul, for float32 and bfloat16 weights, and attention
+"""jspec's native kernels (jspec/model/kernels): the few-rows matmul, for float32, bfloat16 and int8 weights, and attention
 over the KV cache. Each equals the JAX path and gives a row (a query) the same bits whatever else
 the call holds, `decoder.linear` and `attention.attention` take them only where they should, generation
 with them emits the same tokens as without, and jspec runs without them (JSPEC_NATIVE=0).
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from jspec.api import Model
-from jspec.model import attention, decoder as M, kernels
+from jspec.model import attention, decoder as M, kernels, weights
 
 
 @pytest.fixture
@@ -51,6 +51,37 @@ def test_row_gets_the_same_bits_in_any_batch(kernel, dtype):
         np.testing.assert_array_equal(np.asarray(jax.jit(kernels.matmul)(x[:rows], w)), full[:rows])
 
 
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 33, 64])
+@pytest.mark.parametrize("n, d", [(7, 64), (50, 13), (97, 100), (48, 1), (5, 33)])
+def test_int8_matmul_equals_the_jax_path(kernel, use_native, rows, n, d):
+    """An int8 weight (values and per-row scale) read in place equals linear's pure-JAX path, its
+    multiply-and-sum (up to 64 rows, the rows the kernel takes int8 for). D of 13, 33 and 1
+    exercise the tails of 16-lane steps."""
+    x, w = random((rows, d), 0), weights.quantize(random((n, d), 1))
+    got = np.asarray(jax.jit(kernels.matmul)(x, w))
+    use_native(False)
+    want = np.asarray(jax.jit(M.linear)(x, w))
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-5)
+    exact = np.asarray(x, np.float64) @ np.asarray(weights.dequantize(w), np.float64).T
+    np.testing.assert_allclose(got, exact, atol=1e-4, rtol=1e-5)
+
+
+def test_int8_row_gets_the_same_bits_in_any_batch(kernel):
+    x, w = random((80, 100), 2), weights.quantize(random((61, 100), 3))
+    full = np.asarray(jax.jit(kernels.matmul)(x, w))
+    for rows in (1, 3, 16, 17, 72):
+        np.testing.assert_array_equal(np.asarray(jax.jit(kernels.matmul)(x[:rows], w)), full[:rows])
+
+
+def test_int8_gradient_flows_through_the_rows(kernel):
+    """A head trained on an int8 model: the gradient with respect to x is the dequantized product's."""
+    x, w = random((5, 24), 4), weights.quantize(random((9, 24), 5))
+    loss = lambda f: lambda x: jnp.sum(jnp.tanh(f(x)))  # noqa: E731
+    got = jax.grad(loss(lambda x: kernels.matmul(x, w)))(x)
+    want = jax.grad(loss(lambda x: x @ weights.dequantize(w).T))(x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+
+
 def test_gradient_is_the_jax_one(kernel):
     x, w = random((5, 24), 4), random((9, 24), 5)
     loss = lambda f: lambda x, w: jnp.sum(jnp.tanh(f(x, w)))
@@ -73,6 +104,10 @@ def test_linear_takes_the_kernel_only_in_its_range(kernel, use_native):
     w = random((6, 16), 0)
     for rows, expected in [(1, True), (2, True), (kernels.MAX_ROWS, True), (kernels.MAX_ROWS + 1, False)]:
         assert calls_kernel(random((1, rows, 16), 1), w) == expected, rows
+    int8 = lambda rows: "jspec_matmul_int8" in str(jax.make_jaxpr(M.linear)(random((1, rows, 16), 1),  # noqa: E731
+                                                                           weights.quantize(w)))
+    assert [int8(rows) for rows in (1, kernels.MAX_ROWS + 1, kernels.MAX_INT8_ROWS, kernels.MAX_INT8_ROWS + 1)] == [
+        True, True, True, False]
     x = random((1, 4, 16), 1)
     for rows in (1, 4, 300):  # bfloat16 weights take it at every row count
         assert calls_kernel(random((1, rows, 16), 1), w.astype(jnp.bfloat16)), rows

@@ -115,6 +115,26 @@ def test_bfloat16_sharded_generation_equals_unsharded_batch1(converted, prompts,
     assert [r["token_ids"] for r in records] == bfloat16_reference
 
 
+@pytest.fixture(scope="module")
+def int8_reference(converted, prompts):
+    return [r["token_ids"] for r in jspec.load(converted, "int8").generate(prompts, max_new_tokens=NEW)]
+
+
+@pytest.mark.parametrize("method", ["ar", "ngram"])
+def test_int8_sharded_generation_equals_unsharded_batch1(converted, prompts, int8_reference, method):
+    """int8 weights shard like float ones, each row's scale with its row: on a data=2,model=4 mesh
+    at batch 4 every row equals the unsharded ar run at batch 1."""
+    m = jspec.load(converted, "int8", mesh="data=2,model=4")
+    wqkv = m.params["layers"][0]["wqkv"]
+    assert m.dtype == "int8" and wqkv.values.dtype == jnp.int8
+    assert spec(wqkv.values) == ("model", None) and spec(wqkv.scale) == ("model",)
+    wo = m.params["layers"][0]["wo"]
+    assert spec(wo.values) == (None, "model") and spec(wo.scale) == (None,)
+    options = {} if method == "ar" else {"max_draft": 3}
+    records = m.generate(prompts, method, max_new_tokens=NEW, batch_size=4, **options)
+    assert [r["token_ids"] for r in records] == int8_reference
+
+
 def test_sharded_sampling_equals_unsharded(converted, prompts, unsharded):
     """Sampling draws the same tokens whatever the mesh (jax's partitionable random keys)."""
     options = dict(max_new_tokens=NEW, batch_size=4, temperature=1.0, seed=3)

@@ -1,5 +1,5 @@
-"""jspec's native CPU kernels, called through jax.ffi: a float32 matmul for a few rows
-(matmul.cc) and attention over the KV cache (attention.cc), both in this folder.
+"""jspec's native CPU kernels, called through jax.ffi: a matmul of float32 rows by a float32,
+bfloat16 or int8 weight (matmul.cc) and attention over the KV cache (attention.cc), both in this folder.
 
 XLA:CPU multiplies a few rows by a weight far below what memory bandwidth allows (it repacks
 the weight for a small matmul, and the multiply-and-sum `decoder.linear` uses instead is compute
@@ -36,6 +36,10 @@ TARGETS = {jnp.dtype(jnp.float32): "jspec_matmul", jnp.dtype(jnp.bfloat16): "jsp
 # it at every row count: XLA converts the whole weight before its matmul, and its
 # multiply-and-sum ran 13x slower inside the decoding loop than alone.
 MAX_ROWS = 32
+# The most rows an int8 weight takes it for. Past them (a prefill) the product is bound by
+# arithmetic, not by reading the weight, and XLA's matmul over the widened weight was faster: at
+# 128 rows of a [3072, 576] weight 3.1 ms against 3.4, at 512 rows 10 against 14 (at 64, even).
+MAX_INT8_ROWS = 64
 # Query positions per row the attention kernel takes: decode steps, verifications and beams. A
 # prefill's blocks of 64 stay XLA's, whose matmuls were faster there (0.83-0.92x with the kernel
 # over one 896-token prompt: docs/journal/2026-11-24_attention-kernel.md).
@@ -57,8 +61,11 @@ def _load() -> str | None:
         return f"jspec/model/kernels/_native could not be loaded: {e}"
     if not lib.jspec_cpu_supported():
         return "this CPU lacks AVX2 or FMA"
+    if not hasattr(lib, "JspecMatmulInt8"):  # built from an older jspec's sources
+        return "jspec/model/kernels/_native is out of date: pip install jspec again to rebuild it"
     jax.ffi.register_ffi_target(TARGETS[jnp.dtype(jnp.float32)], jax.ffi.pycapsule(lib.JspecMatmul), platform="cpu")
     jax.ffi.register_ffi_target(TARGETS[jnp.dtype(jnp.bfloat16)], jax.ffi.pycapsule(lib.JspecMatmulBf16), platform="cpu")
+    jax.ffi.register_ffi_target("jspec_matmul_int8", jax.ffi.pycapsule(lib.JspecMatmulInt8), platform="cpu")
     jax.ffi.register_ffi_target("jspec_attention", jax.ffi.pycapsule(lib.JspecAttention), platform="cpu")
     return None
 
@@ -80,27 +87,53 @@ def off():
         enabled = before
 
 
-def takes(x: jax.Array, w: jax.Array, rows: int) -> bool:
-    """Whether `decoder.linear` multiplies x (`rows` rows) by w with the kernel."""
+def takes(x: jax.Array, w, rows: int) -> bool:
+    """Whether `decoder.linear` multiplies x (`rows` rows) by w (an array or an Int8) with the kernel."""
     if not enabled or x.dtype != jnp.float32 or numerics.platform() != "cpu":
         return False
+    if w.dtype == jnp.int8:
+        return rows <= MAX_INT8_ROWS
     return w.dtype == jnp.bfloat16 or (w.dtype == jnp.float32 and rows <= MAX_ROWS)
 
 
-@jax.custom_jvp
-def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [R, D] float32 times w [N, D] (float32 or bfloat16) transposed -> [R, N] float32."""
-    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+def matmul(x: jax.Array, w) -> jax.Array:
+    """x [R, D] float32 times w [N, D] (float32, bfloat16, or an Int8 of jspec.model.weights)
+    transposed -> [R, N] float32."""
+    if x.ndim != 2 or len(w.shape) != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"kernels.matmul needs x [R, D] and w [N, D], got {x.shape} and {w.shape}")
-    return jax.ffi.ffi_call(TARGETS[w.dtype], jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))(x, w)
+    if w.dtype == jnp.int8:
+        return _matmul_int8(x, w.values, w.scale)
+    return _matmul(x, w)
 
 
-@matmul.defjvp
+def _out(x, w) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
+
+
+@jax.custom_jvp
+def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    return jax.ffi.ffi_call(TARGETS[w.dtype], _out(x, w))(x, w)
+
+
+@_matmul.defjvp
 def _matmul_jvp(primals, tangents):
     # XLA cannot differentiate a foreign call. The tangent is linear in (dx, dw), so jax can
     # transpose it too: gradients through `linear` (training a draft head) work.
     (x, w), (dx, dw) = primals, tangents
-    return matmul(x, w), dx @ w.T + x @ dw.T
+    return _matmul(x, w), dx @ w.T + x @ dw.T
+
+
+@jax.custom_jvp
+def _matmul_int8(x: jax.Array, values: jax.Array, scale: jax.Array) -> jax.Array:
+    return jax.ffi.ffi_call("jspec_matmul_int8", _out(x, values))(x, values, scale)
+
+
+@_matmul_int8.defjvp
+def _matmul_int8_jvp(primals, tangents):
+    # Quantized weights are not trained: the tangent flows through x alone (a head trained on an
+    # int8 model).
+    (x, values, scale), dx = primals, tangents[0]
+    return _matmul_int8(x, values, scale), (dx @ values.T.astype(jnp.float32)) * scale
 
 
 def takes_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:

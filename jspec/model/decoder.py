@@ -266,8 +266,7 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
     its Numerics say otherwise (jspec.model.numerics says why). Every later activation keeps it."""
     table = params["embed"]
     if weights.is_int8(table):
-        return (table.values[tokens].astype(jnp.float32) * table.scale[tokens][..., None]).astype(
-            numerics.activation_dtype())
+        return weights.as_float(weights.take_rows(table, tokens), numerics.activation_dtype())
     return table[tokens].astype(numerics.activation_dtype())
 
 

@@ -61,8 +61,10 @@ def quantize(w) -> Int8:
 
 
 def dequantize(w: Int8, dtype=jnp.float32):
+    """values [..., D] times scale [...]: a matrix, or rows of it gathered by an index of any shape
+    (take_rows)."""
     xp = np if isinstance(w.values, np.ndarray) else jnp
-    return (w.values.astype(xp.float32) * w.scale[:, None]).astype(dtype)
+    return (w.values.astype(xp.float32) * w.scale[..., None]).astype(dtype)
 
 
 def is_int8(w) -> bool:
@@ -78,7 +80,7 @@ def as_float(w, dtype=jnp.float32):
 
 
 def take_rows(w, idx):
-    """Rows idx of a weight [N, D], Int8 or float, keeping its kind."""
+    """Rows idx (any shape) of a weight [N, D], Int8 or float, keeping its kind."""
     return w.rows(lambda a: jnp.take(a, idx, axis=0)) if is_int8(w) else jnp.take(w, idx, axis=0)
 
 

@@ -29,6 +29,15 @@ def test_quantization_is_within_half_a_step_of_each_row():
     np.testing.assert_array_equal(np.asarray(on_device.scale), q.scale)
 
 
+def test_gathered_rows_dequantize_as_the_matrix_does():
+    """Rows gathered by an index of any shape (an embedding lookup [B, T], SpecEE's and the
+    predictors' candidates [B, C]) keep their scales: the same floats as the dequantized matrix's rows."""
+    w = weights.quantize(jnp.asarray(np.random.default_rng(1).standard_normal((10, 6)), jnp.float32))
+    for idx in (jnp.array([3, 0]), jnp.array([[1, 2, 3], [4, 5, 9]]), jnp.zeros((2, 2, 2), jnp.int32)):
+        np.testing.assert_array_equal(np.asarray(weights.as_float(weights.take_rows(w, idx))),
+                                      np.asarray(weights.dequantize(w))[np.asarray(idx)])
+
+
 def test_cast_makes_the_tree_abstract_describes(tiny_llama):
     cast = weights.cast(tiny_llama.params, "int8")
     want = weights.abstract(layout.param_shapes(tiny_llama.cfg), "int8")

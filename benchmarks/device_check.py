@@ -77,6 +77,9 @@ BIG_RUNS = [("bfloat16", Numerics(), 1), ("int8", Numerics(), 1), ("bfloat16", A
             ("bfloat16", Numerics(), 32), ("bfloat16", ALL_BF16, 32), ("int8", ALL_BF16, 32),
             ("bfloat16", Numerics(), 8)]
 METHODS = ("ar", "auto", "ngram", "eagle", "layer-skip")
+_METHOD_PROMPTS = "the default model decodes 32 Spec-Bench questions of one prompt bucket (random ones in a dry run)"
+PROMPTS = {"big": "the 8B-shaped model decodes {}-token random prompts", "methods": _METHOD_PROMPTS,
+           "all": "the 8B-shaped model decodes {}-token random prompts, " + _METHOD_PROMPTS}
 METHOD_BATCHES = (1, 8, 32)
 
 
@@ -242,8 +245,8 @@ def page_section(rows: list[dict]) -> str:
     lines = [f"## Device check: {device}, {runs[-1]['date'] if runs else datetime.date.today()}", ""]
     lines += [f"`{r['command']}`: {r['new_tokens']} new tokens, greedy, {r['seconds']:.0f} s"
               + (f"; stopped: {r['stopped']}." if r.get("stopped") else ".") for r in runs]
-    lines += ["", f"The 8B-shaped model decodes {runs[-1]['prompt_tokens'] if runs else '?'}-token random prompts, "
-              "the default model 32 Spec-Bench questions (3 a category).", ""]
+    prompts = dict.fromkeys(r["prompts"] for r in runs if r.get("prompts"))  # each once, in run order
+    lines += ["", *(f"Prompts: {p}." for p in prompts), ""]
     big = [r for r in rows if r["part"] == "ar"]
     if big:
         lines += ["| model | weights | activations / cache | batch | tokens/s | step ms | HBM used | compile s | "
@@ -305,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     check.add({"part": "run", "command": command, "date": str(datetime.date.today()),
                "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
                "seconds": round(time.perf_counter() - check.start, 1), "budget": args.budget,
-               "skipped": check.skipped})
+               "skipped": check.skipped, "prompts": PROMPTS[args.part].format(args.prompt_tokens)})
     write_page(Path(args.page), page_section(check.rows))
     print(f"[{len(check.rows)} rows in {args.output}; {args.page} written]")
     return 0

@@ -57,8 +57,7 @@ def weights_bytes(cfg: ModelConfig, mesh: dict[str, int], dtype: str = "bfloat16
     int8 matrix's scale by its rows' axis)."""
     total = 0
     for path, x in jax.tree_util.tree_flatten_with_path(weights.abstract(param_shapes(cfg), dtype))[0]:
-        name = next(k.key for k in reversed(path) if isinstance(k, jax.tree_util.DictKey))
-        total += np.dtype(x.dtype).itemsize * per_chip(x.shape, sharding.RULES[name][:len(x.shape)], mesh)
+        total += np.dtype(x.dtype).itemsize * per_chip(x.shape, sharding.rule(path, len(x.shape)), mesh)
     return total
 
 

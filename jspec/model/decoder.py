@@ -345,8 +345,8 @@ def linear(x: jax.Array, w, dtype=None) -> jax.Array:
         # Rows major, so the result needs no transpose: faster than [N, rows] transposed after.
         out = jnp.sum(values[None].astype(jnp.float32) * flat[:, None].astype(jnp.float32), axis=-1)
     elif weights.is_int8(w):
-        # The int8 values go to the dot as they are: a TPU multiplies mixed operands so, and XLA
-        # on a GPU fuses their widening into its matmul rather than widening the weight first.
+        # The int8 values go to the dot as they are: a TPU multiplies mixed operands so. (For a
+        # GPU jax converts them before the dot: docs/benchmarks-accelerator.md.)
         out = jax.lax.dot_general(flat, values, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     else:
         out = jnp.einsum("rd,nd->rn", flat, w, preferred_element_type=jnp.float32)

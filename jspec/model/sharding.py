@@ -82,16 +82,21 @@ def _spec(mesh: Mesh, axes: tuple[str | None, ...], shape: tuple[int, ...]) -> P
     return P(*(a if a is not None and dim % mesh.shape[a] == 0 else None for a, dim in zip(axes, shape)))
 
 
+def rule(path, ndim: int, rules: dict[str, tuple[str | None, ...]] = RULES) -> tuple[str | None, ...]:
+    """The mesh axis of each dimension of the leaf at tree path `path`: the rules entry of the name
+    it is stored under (its dict key). An int8 matrix's scale (jspec.model.weights.Int8, a leaf
+    under the matrix's name) follows its rows: the rule's first axis."""
+    key = next(k for k in reversed(path) if not isinstance(k, jax.tree_util.GetAttrKey))
+    return rules[re.sub(r"\W", "", str(key))][:ndim]
+
+
 def shardings(tree, mesh: Mesh, rules: dict[str, tuple[str | None, ...]] = RULES):
     """A NamedSharding for every leaf of `tree` (arrays, ShapeDtypeStructs, or shapes as tuples),
-    by the rules entry of the name it is stored under (its dict key). An int8 matrix's scale
-    (jspec.model.weights.Int8) follows its rows: the rule's first axis."""
+    split as `rule` says."""
 
     def one(path, leaf):
-        key = next(k for k in reversed(path) if not isinstance(k, jax.tree_util.GetAttrKey))
         shape = leaf if isinstance(leaf, tuple) else leaf.shape
-        rule = rules[re.sub(r"\W", "", str(key))]
-        return NamedSharding(mesh, _spec(mesh, rule[:len(shape)], shape))
+        return NamedSharding(mesh, _spec(mesh, rule(path, len(shape), rules), shape))
 
     return jax.tree_util.tree_map_with_path(one, tree, is_leaf=lambda x: isinstance(x, tuple))
 

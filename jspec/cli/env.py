@@ -54,6 +54,9 @@ def run(args: argparse.Namespace) -> int:
                  else f"used on a CPU for up to {kernels.MAX_ROWS} float32 rows, every bfloat16 weight and up "
                       f"to {kernels.MAX_INT8_ROWS} rows of an int8 one, "
                       f"and for attention over up to {kernels.MAX_QUERIES} positions a row"))
+    rows.append(("accelerator attention", "a GPU's Pallas (Triton) kernel over each row's filled part of the KV cache"
+                 + (" (off: JSPEC_NATIVE=0)" if not kernels.gpu_enabled else "")
+                 + "; a TPU's loop over the filled key blocks (docs/design.md)"))
     policy, bf16 = Numerics(), Numerics("bfloat16")
     rows.append(("numerics", f"weights in the checkpoint's dtype (--dtype: float32, bfloat16 or int8), "
                              f"activations {policy.activations} "

@@ -1,56 +1,112 @@
 """Attention over the KV cache: decode steps, verifications, blocks of alternatives, prefills.
 
 A query at position p sees cache entries 0..p of its row (entries past a row's position are stale
-and never seen). On a CPU the few-position cases go through jspec's native kernel
-(jspec/model/kernels), which reads the cache in place where XLA transposes all of it first.
+and never seen). Each platform gets its own path behind `attention` (docs/design.md, "Attention on
+each platform"):
+- a CPU: jspec's native kernel for the few-position cases (jspec/model/kernels), which reads the
+  cache in place where XLA transposes all of it first; XLA's einsums otherwise;
+- an NVIDIA GPU: a Pallas kernel that reads each row's filled part of the cache only
+  (kernels/gpu_attention.py);
+- a TPU (and a GPU where the kernel does not apply): `filled_attention`, an XLA loop over the key
+  blocks up to the batch's furthest query, with a running softmax. A TPU runs a loop's control on
+  the device; a GPU would copy each trip test to the host, so a GPU without the kernel reads the
+  whole cache with XLA's einsums.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 
-from jspec.model import kernels
+from jspec.model import kernels, numerics
+from jspec.model.kernels import gpu_attention
 
 PREFILL_BLOCK = 64  # queries per block of prefill attention
 PREFILL_SPANS = 8  # attentions a layer of a prefill holds at most (prefill_attention)
+KEY_BLOCK = 512  # keys a step of filled_attention's loop reads at most (a divisor of the cache's length)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid: jax.Array | None = None,
-              prefix: jax.Array | None = None) -> jax.Array:
+              prefix: jax.Array | None = None, filled: bool = False) -> jax.Array:
     """q [B, T, K, G, H] over cache k, v [B, S, K, H]; query at position p sees keys 0..p, and of
     those only the `valid` [B, S] ones when given (SpecEE leaves skipped layers' entries out).
     With `prefix` [B, T] a query sees keys j < prefix and its own key q_pos only (block_attention).
 
-    On a CPU this is jspec's native kernel, which reads the cache in place where XLA transposes
-    all of it first, and gives a query the same bits whatever else the call holds (jspec/model/kernels)."""
-    if kernels.takes_attention(q, k, v):
-        valid = jnp.ones(k.shape[:2], jnp.bool_) if valid is None else valid
-        return _native_attention(q, k, v, q_pos, valid, q_pos + 1 if prefix is None else prefix)
-    return xla_attention(q, k, v, q_pos, valid, prefix)[0]
+    The path is the platform's (this module's docstring); each gives a query the same result
+    whatever else the call holds, up to float rounding. `filled` says every key given is filled
+    (a prefill's span): a GPU or TPU then has no unfilled part to leave out, and takes XLA's
+    einsums."""
+    return _on_platform(q, k, v, q_pos, valid, prefix, filled)[0]
 
 
 def attention_and_lse(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid: jax.Array | None = None):
     """attention() and the log of each query's softmax denominator [B, T, K, G], which merging it
-    with attention over keys kept elsewhere needs (MJSD's beams: jspec/drafters/beam.py). Not
-    differentiable on the kernel's path."""
-    if kernels.takes_attention(q, k, v):
+    with attention over keys kept elsewhere needs (MJSD's beams: jspec/drafters/beam.py)."""
+    return _on_platform(q, k, v, q_pos, valid, None)
+
+
+def _on_platform(q, k, v, q_pos, valid, prefix, filled=False):
+    """(output, lse) by the path of the platform being traced."""
+    accelerated = kernels.takes_gpu_attention(q, k) or numerics.platform() == "tpu"
+    if kernels.takes_attention(q, k, v) or (accelerated and not filled):
         valid = jnp.ones(k.shape[:2], jnp.bool_) if valid is None else valid
-        return kernels.attention(q, k, v, q_pos, valid, q_pos + 1)
-    return xla_attention(q, k, v, q_pos, valid)
+        return _kernel_attention(q, k, v, q_pos, valid, q_pos + 1 if prefix is None else prefix)
+    return xla_attention(q, k, v, q_pos, valid, prefix)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5))
-def _native_attention(q, k, v, q_pos, valid, prefix):
-    return kernels.attention(q, k, v, q_pos, valid, prefix)[0]
+def _kernel_attention(q, k, v, q_pos, valid, prefix):
+    """(output, lse) of the CPU's native kernel, the GPU's Pallas kernel or TPU's filled_attention."""
+    platform = numerics.platform()
+    if platform == "cpu":
+        return kernels.attention(q, k, v, q_pos, valid, prefix)
+    if platform == "cuda":
+        return gpu_attention.attention(q, k, v, q_pos, valid, prefix)
+    return filled_attention(q, k, v, q_pos, valid, prefix)
 
 
-@_native_attention.defjvp
-def _native_attention_jvp(q_pos, valid, prefix, primals, tangents):
-    # XLA cannot differentiate a foreign call: training a draft head differentiates the JAX path.
-    return jax.jvp(lambda q, k, v: xla_attention(q, k, v, q_pos, valid, prefix)[0], primals, tangents)
+@_kernel_attention.defjvp
+def _kernel_attention_jvp(q_pos, valid, prefix, primals, tangents):
+    # XLA cannot differentiate a foreign call, nor reverse a loop of unknown length: training a
+    # draft head differentiates the einsums, which compute the same function.
+    return jax.jvp(lambda q, k, v: xla_attention(q, k, v, q_pos, valid, prefix), primals, tangents)
+
+
+def filled_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid: jax.Array,
+                     prefix: jax.Array):
+    """xla_attention() reading only the key blocks up to the batch's furthest query: a loop over
+    blocks of KEY_BLOCK keys (or fewer, dividing the cache's length) with a running softmax. A
+    block a query sees nothing of adds exactly 0 to its sums and scales them by exactly 1, so a
+    row's result does not depend on the other rows' lengths."""
+    b, t, kv, g, h = q.shape
+    size = math.gcd(k.shape[1], KEY_BLOCK)
+    probs_dtype = jnp.promote_types(q.dtype, v.dtype)
+
+    def block(i, carry):
+        m, l, acc = carry
+        start = i * size
+        kb, vb, ok = (jax.lax.dynamic_slice_in_dim(x, start, size, axis=1) for x in (k, v, valid))
+        key = start + jnp.arange(size)
+        seen = ((key < prefix[:, :, None]) | (key == q_pos[:, :, None])) & ok[:, None, :]  # [B, T, size]
+        scores = jnp.einsum("btkgh,bskh->bkgts", q, kb, preferred_element_type=jnp.float32) * h ** -0.5
+        scores = jnp.where(seen[:, None, None], scores, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a query that has seen no key yet
+        p = jnp.exp(scores - shift[..., None])
+        correction = jnp.exp(m - shift)
+        pv = jnp.einsum("bkgts,bskh->bkgth", p.astype(probs_dtype), vb.astype(probs_dtype),
+                        preferred_element_type=jnp.float32)
+        return m_new, l * correction + jnp.sum(p, axis=-1), acc * correction[..., None] + pv
+
+    blocks = jnp.minimum(jnp.max(q_pos) // size + 1, k.shape[1] // size)  # through the furthest query's block
+    init = (jnp.full((b, kv, g, t), -jnp.inf, jnp.float32), jnp.zeros((b, kv, g, t), jnp.float32),
+            jnp.zeros((b, kv, g, t, h), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(0, blocks, block, init)
+    out = jnp.where(l[..., None] > 0, acc / l[..., None], 0.0).transpose(0, 3, 1, 2, 4)
+    return out.astype(q.dtype), (m + jnp.log(l)).transpose(0, 3, 1, 2)
 
 
 def block_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
@@ -110,7 +166,7 @@ def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         ks, vs = k[:, :end], v[:, :end]
         if end - start <= PREFILL_BLOCK:  # one block: read only its own prefix
             q_pos = jnp.broadcast_to(jnp.arange(start, end), (b, end - start))
-            out.append(attention(q[:, start:end], ks, vs, q_pos))
+            out.append(attention(q[:, start:end], ks, vs, q_pos, filled=True))
             continue
         n = (end - start) // PREFILL_BLOCK  # whole blocks; a prompt's last, partial one is its own span
         span = q[:, start:start + n * PREFILL_BLOCK].reshape(b, n, PREFILL_BLOCK, *q.shape[2:]).swapaxes(0, 1)
@@ -118,11 +174,12 @@ def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
 
         def block(args, ks=ks, vs=vs):
             qb, offset = args
-            return attention(qb, ks, vs, jnp.broadcast_to(offset + jnp.arange(PREFILL_BLOCK), (b, PREFILL_BLOCK)))
+            return attention(qb, ks, vs, jnp.broadcast_to(offset + jnp.arange(PREFILL_BLOCK), (b, PREFILL_BLOCK)),
+                             filled=True)
 
         out.append(jax.lax.map(block, (span, offsets)).swapaxes(0, 1).reshape(b, n * PREFILL_BLOCK, *q.shape[2:]))
         if start + n * PREFILL_BLOCK < end:
             rest = start + n * PREFILL_BLOCK
             q_pos = jnp.broadcast_to(jnp.arange(rest, end), (b, end - rest))
-            out.append(attention(q[:, rest:end], ks, vs, q_pos))
+            out.append(attention(q[:, rest:end], ks, vs, q_pos, filled=True))
     return jnp.concatenate(out, axis=1)

@@ -28,7 +28,7 @@ def run(device_check, tmp_path, *extra) -> tuple[list[dict], str]:
     page.write_text(OUTER)
     out = tmp_path / "rows.jsonl"
     assert device_check.main(["--dry-run", "--output", str(out), "--page", str(page), "--new-tokens", "8",
-                              "--prompt-tokens", "16", *extra]) == 0
+                              "--prompt-tokens", "16", "--long-prompt-tokens", "40", *extra]) == 0
     return [json.loads(line) for line in out.read_text().splitlines()], page.read_text()
 
 
@@ -50,6 +50,11 @@ def test_dry_run_measures_what_the_full_run_does(device_check, tmp_path):
     at1 = {r["dtype"]: r["memory"]["argument_size_in_bytes"] for r in big
            if r["batch"] == 32 and r["activation_dtype"] == "bfloat16"}
     assert at1["int8"] < at1["bfloat16"]
+    attention = [r for r in rows if r["part"] == "attention"]
+    assert [(r["kernel"], r["batch"], r["prompt_tokens"]) for r in attention] == [
+        (True, device_check.ATTENTION_BATCH, 40), (False, device_check.ATTENTION_BATCH, 40)]
+    assert all(r["identical_rows"] == r["rows"] and r["tokens_per_s"] > 0 for r in attention)
+    assert "| attention kernel |" in page
     spec = [r for r in rows if r["part"] == "methods"]
     assert [(r["method"], r["batch"]) for r in spec] == [
         (m, b) for b in device_check.METHOD_BATCHES for m in device_check.METHODS]

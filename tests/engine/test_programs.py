@@ -7,6 +7,7 @@ keeps its cache in bfloat16 and widens no weight inside the loop."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 
@@ -20,7 +21,8 @@ from jspec import methods
 from jspec.api import Model
 from jspec.engine import loop
 from jspec.engine.sampling import Sampling
-from jspec.model import decoder, kernels
+from jspec.model import attention, decoder, kernels
+from jspec.model.kernels import gpu_attention
 from jspec.model.numerics import Numerics
 
 OPTIONS = {"ngram": {"datastore": "off", "max_draft": 4}, "layer-skip": {"skip_layers": [1], "max_draft": 4}}
@@ -45,22 +47,26 @@ def program(model):
         model if numerics.activations == "float32" else all_bfloat16(model), method, platform, numerics))
 
 
-def lowered(model: Model, method: str, platform: str, numerics: Numerics = Numerics()) -> str:
-    """The StableHLO of `model`'s decoding program for one prompt with `method` on `platform`."""
+def lowered(model: Model, method: str, platform: str, numerics: Numerics = Numerics(), length: int = 64) -> str:
+    """The StableHLO of `model`'s decoding program for one prompt with `method` on `platform`,
+    with a cache of `length` entries. A CPU program is lowered without jspec's native kernels (a
+    foreign call cannot be exported); a GPU's holds its Pallas attention (a Triton call, which
+    jax.export asks to be named: its compatibility is jax's and Triton's, not export's)."""
     drafter, dparams, controller = methods.build(method, model, **OPTIONS[method])
     tokens, packing = model.pack(model.requests([{"token_ids": [5, 6, 7, 5, 6, 7]}]), 1)
-    cache = decoder.KVCache.zeros(model.cfg, 1, 64, numerics.kv_cache_dtype)
+    cache = decoder.KVCache.zeros(model.cfg, 1, length, numerics.kv_cache_dtype)
     args = jnp.asarray(tokens), jax.tree.map(jnp.asarray, packing), jnp.asarray(model.cfg.eos_token_ids or (-1,))
-    with kernels.off():  # a foreign call cannot be exported: a CPU program is lowered without them
+    triton = [jax.export.DisabledSafetyCheck.custom_call(gpu_attention.TARGET)]
+    with kernels.off() if platform == "cpu" else contextlib.nullcontext():
         run = loop.Run(model.cfg, Sampling(), NEW, drafter, controller, numerics=numerics, platform=platform)
-        exported = jax.export.export(loop.generate, platforms=[platform])(
+        exported = jax.export.export(loop.generate, platforms=[platform], disabled_checks=triton)(
             model.params, dparams, cache, *args, jax.random.key(0), None, run=run)
     return exported.mlir_module()
 
 
 def in_loops(text: str) -> list[str]:
     """The lines inside `while` ops (a `while` runs from its line until the braces come back to
-    the depth before it)."""
+    the depth before it; braces inside strings, such as a kernel's serialized IR, do not count)."""
     depth, loops, inside = 0, [], []
     for line in text.splitlines():
         starts = "stablehlo.while" in line
@@ -68,7 +74,8 @@ def in_loops(text: str) -> list[str]:
             loops.append(depth)
         if loops:
             inside.append(line)
-        depth += line.count("{") - line.count("}")
+        code = re.sub(r'"(?:[^"\\]|\\.)*"', "", line)
+        depth += code.count("{") - code.count("}")
         while loops and not starts and depth <= loops[-1]:
             loops.pop()
     return inside
@@ -147,19 +154,39 @@ def test_int8_weights_reach_a_tpu_product_as_stored(model):
         assert not [line for line in body if "stablehlo.convert" in line and int8_weight(line)], numerics
 
 
+@pytest.mark.parametrize("method", sorted(OPTIONS))
+def test_accelerators_read_only_the_filled_part_of_the_cache(model, method):
+    """With a cache of 1,024 entries, a CPU's attention multiplies the whole cache each step; a
+    TPU's reads it in blocks of KEY_BLOCK in a loop that stops at the furthest query, and a GPU's
+    is its Pallas kernel, one a layer, with no product over the cache left to XLA."""
+    length = 2 * attention.KEY_BLOCK
+    whole, block = (f"1x{n}x{model.cfg.num_kv_heads}x{model.cfg.head_dim}x" for n in (length, attention.KEY_BLOCK))
+    over = lambda shape, text: [line for line in in_loops(text) if "stablehlo.dot_general" in line  # noqa: E731
+                                and any(s == shape for s, _ in tensors(line))]
+    assert over(whole, lowered(model, method, "cpu", length=length))
+    tpu, cuda = (lowered(model, method, platform, length=length) for platform in ("tpu", "cuda"))
+    assert not over(whole, tpu) and over(block, tpu)
+    assert not over(whole, cuda) and not over(block, cuda)
+    assert sum(f"@{gpu_attention.TARGET}" in line for line in in_loops(cuda)) >= model.cfg.num_layers
+
+
 @pytest.mark.parametrize("method", SPECULATIVE)
 def test_one_width_decodes_what_the_widths_do(model, method, monkeypatch):
-    """The single width of an accelerator, run on this CPU: the same tokens and the same accepted
-    drafts as the narrowest-width branches, at batch 1 and 3 (rows of different acceptance)."""
+    """The single width of an accelerator (and the GPU's attention kernel, interpreted), run on this
+    CPU: the same tokens and the same accepted drafts as the narrowest-width branches, at batch 1
+    and 3 (rows of different acceptance)."""
     prompts = repetitive_prompts((9, 30, 14), model.cfg.vocab_size, seed=4)
     for batch in (1, 3):
         want = model.generate(prompts, method=method, batch_size=batch, batching="static", max_new_tokens=NEW,
                               **OPTIONS[method])
         with monkeypatch.context() as m:
             m.setattr(Model, "platform", property(lambda self: "cuda"))
+            m.setattr(gpu_attention, "attention", functools.partial(gpu_attention.attention, interpret=True))
+            jax.clear_caches()  # jit's traces of the exports above hold the kernel uninterpreted
             got = model.generate(prompts, method=method, batch_size=batch, batching="static", max_new_tokens=NEW,
                                  **OPTIONS[method])
             assert {sig.run.platform for sig in model.programs()} == {"cpu", "cuda"}
+        jax.clear_caches()
         assert [r["token_ids"] for r in got] == [r["token_ids"] for r in want]
         assert [r["stats"]["accepted"] for r in got] == [r["stats"]["accepted"] for r in want]
     assert sum(r["stats"]["accepted"] for r in want) > 0  # the drafts were tried, and some kept

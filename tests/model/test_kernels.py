@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support.attention import attention_inputs, random
 
 from jspec.api import Model
 from jspec.model import attention, decoder as M, kernels, weights
@@ -26,10 +27,6 @@ from jspec.model import attention, decoder as M, kernels, weights
 def kernel():
     if kernels.unavailable:
         pytest.skip(f"the native kernel is unavailable: {kernels.unavailable}")
-
-
-def random(shape, seed):
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16, 17, 31, 33, 64])
@@ -122,14 +119,6 @@ def test_linear_fallback_equals_kernel(kernel, use_native, dtype):
     with_kernel = np.asarray(jax.jit(M.linear)(x, w))
     use_native(False)
     np.testing.assert_allclose(np.asarray(jax.jit(M.linear)(x, w)), with_kernel, atol=1e-5)
-
-
-def attention_inputs(b, t, kv, g, h, s, seed):
-    rng = np.random.default_rng(seed)
-    q, k, v = random((b, t, kv, g, h), seed), random((b, s, kv, h), seed + 1), random((b, s, kv, h), seed + 2)
-    q_pos = jnp.asarray(rng.integers(0, s + 2, (b, t)), jnp.int32)  # past the cache's end sees all of it
-    valid = jnp.asarray(rng.random((b, s)) > 0.3).at[:, 0].set(True)
-    return q, k, v, q_pos, valid
 
 
 # (B, T, kv heads, G, H, S): a decode step, a verification, a prefill block; odd head dims.

@@ -1,5 +1,6 @@
-"""jspec's native CPU kernels, called through jax.ffi: a matmul of float32 rows by a float32,
-bfloat16 or int8 weight (matmul.cc) and attention over the KV cache (attention.cc), both in this folder.
+"""jspec's kernels: on a CPU, native code called through jax.ffi, a matmul of float32 rows by a
+float32, bfloat16 or int8 weight (matmul.cc) and attention over the KV cache (attention.cc); on an
+NVIDIA GPU, attention over the filled part of the KV cache in Pallas (gpu_attention.py).
 
 XLA:CPU multiplies a few rows by a weight far below what memory bandwidth allows (it repacks
 the weight for a small matmul, and the multiply-and-sum `decoder.linear` uses instead is compute
@@ -9,9 +10,9 @@ attention kernel reads the cache in place (docs/design.md, "Attention on a CPU")
 and `attention.attention` ask `takes` and `takes_attention` at trace time, so a program compiled
 with the kernels keeps them: call jax.clear_caches() after changing `enabled`.
 
-The kernels are optional. They are not used when the extension was not built (pip install
+The kernels are optional. The CPU's are not used when the extension was not built (pip install
 prints why), when the CPU lacks AVX2 or FMA, or when JSPEC_NATIVE=0 is set; `unavailable` says
-which.
+which. The GPU's is not used when JSPEC_NATIVE=0 is set.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.model import numerics
+from jspec.model.kernels import gpu_attention
 
 TARGETS = {jnp.dtype(jnp.float32): "jspec_matmul", jnp.dtype(jnp.bfloat16): "jspec_matmul_bf16"}
 # The most float32 rows it is used for (docs/design.md, "Few rows"): above 32 the
@@ -71,8 +73,9 @@ def _load() -> str | None:
     return None
 
 
-unavailable = _load()  # why the kernel is not used; None when it is available
-enabled = unavailable is None  # read by `takes` at trace time
+unavailable = _load()  # why the CPU's kernels are not used; None when they are available
+enabled = unavailable is None  # read by `takes` and `takes_attention` at trace time
+gpu_enabled = os.environ.get("JSPEC_NATIVE") != "0"  # read by `takes_gpu_attention` at trace time
 
 
 @contextlib.contextmanager
@@ -80,12 +83,13 @@ def off():
     """Trace without the kernels, for a program over several devices: XLA cannot split a foreign
     call, so to make one it would gather every weight and cache whole onto each device (a 1.5B
     model on 8 devices then needs 8 copies). The multiply-and-sum path splits like any op."""
-    global enabled
-    before, enabled = enabled, False
+    global enabled, gpu_enabled
+    before = enabled, gpu_enabled
+    enabled = gpu_enabled = False
     try:
         yield
     finally:
-        enabled = before
+        enabled, gpu_enabled = before
 
 
 def takes(x: jax.Array, w, rows: int) -> bool:
@@ -141,6 +145,11 @@ def takes_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
     """Whether `attention.attention` runs the attention kernel for queries q [B, T, K, G, H] over k, v."""
     float32 = q.dtype == k.dtype == v.dtype == jnp.float32
     return enabled and float32 and q.shape[1] <= MAX_QUERIES and numerics.platform() == "cpu"
+
+
+def takes_gpu_attention(q: jax.Array, k: jax.Array) -> bool:
+    """Whether `attention.attention` runs the GPU's Pallas kernel for queries q over the cache k."""
+    return gpu_enabled and numerics.platform() == "cuda" and gpu_attention.takes(q, k)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid: jax.Array, prefix: jax.Array):

@@ -1,0 +1,103 @@
+"""Attention over the KV cache on an NVIDIA GPU: a Pallas kernel (Triton) that reads, for each row,
+only the cache entries its queries can see.
+
+XLA's attention reads the whole allocated cache every step, [B, S, K, H] a layer, however little of
+it is filled: at batch 32 with a 2,048-entry cache an 8B model reads about as many bytes of cache
+as of weights each step. An XLA loop over the filled blocks would bound the reads, but a `while`
+on a GPU copies its trip test to the host every iteration, a layer at a time. Here the loop is in
+the kernel: one program per row and KV head walks the row's key blocks up to its furthest query
+position, keeping a running softmax (flash decoding without the split over keys), so a row reads
+its own filled part and nothing past it.
+
+The queries of a row's KV head, T positions x G heads, are one [M, H] block (M padded to a power of
+two, at least 16, as Triton's dot asks), so a decode step, a verification of K + 1 positions and a
+block of alternatives are one kernel. Its products take the precision of the program being traced
+(jspec.model.numerics: HIGHEST for float32 activations, which Triton runs in IEEE float32, not TF32).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+KEY_BLOCK = 64  # keys a step of the kernel's loop reads
+TARGET = "__gpu$xla.gpu.triton"  # the custom call it lowers to (jax.export needs it named)
+
+
+def takes(q: jax.Array, k: jax.Array) -> bool:
+    """Whether the kernel takes queries q [B, T, K, G, H] over a cache k [B, S, K, H]: Triton's
+    blocks are powers of two, so the head dimension must be one and the cache a whole number of
+    key blocks (jspec's caches are multiples of 64 entries: jspec.memory)."""
+    h, s = q.shape[-1], k.shape[1]
+    return h >= 16 and h & (h - 1) == 0 and s % KEY_BLOCK == 0
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid: jax.Array, prefix: jax.Array,
+              interpret: bool = False):
+    """q [B, T, K, G, H] over the cache k, v [B, S, K, H]: query (b, t) sees keys j < prefix[b, t]
+    and key q_pos[b, t], those with valid[b, j] (as kernels.attention). Returns the output
+    [B, T, K, G, H] in q's dtype and the log of each query's softmax denominator [B, T, K, G]
+    (-inf where it sees no key), float32. `interpret` runs the kernel as JAX operations (any
+    platform: the tests' CPU)."""
+    b, t, kv, g, h = q.shape
+    m = t * g
+    rows = max(16, 1 << (m - 1).bit_length())
+    # Query rows (t, g) of each KV head together, padded with queries that see nothing.
+    qr = jnp.pad(q.transpose(0, 2, 1, 3, 4).reshape(b, kv, m, h), ((0, 0), (0, 0), (0, rows - m), (0, 0)))
+    per_row = lambda x: jnp.pad(jnp.repeat(x.astype(jnp.int32), g, axis=1), ((0, 0), (0, rows - m)),  # noqa: E731
+                                constant_values=-1)
+    kernel = functools.partial(_kernel, scale=h ** -0.5, probs_dtype=jnp.promote_types(q.dtype, v.dtype))
+    out, lse = pl.pallas_call(
+        kernel,
+        grid=(b, kv),
+        in_specs=[pl.BlockSpec((None, rows), lambda i, j: (i, 0)),
+                  pl.BlockSpec((None, rows), lambda i, j: (i, 0)),
+                  pl.BlockSpec((None, None, rows, h), lambda i, j: (i, j, 0, 0)),
+                  pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY),
+                  pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=[pl.BlockSpec((None, None, rows, h), lambda i, j: (i, j, 0, 0)),
+                   pl.BlockSpec((None, None, rows), lambda i, j: (i, j, 0))],
+        out_shape=[jax.ShapeDtypeStruct((b, kv, rows, h), q.dtype), jax.ShapeDtypeStruct((b, kv, rows), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="jspec_attention",
+    )(per_row(q_pos), per_row(prefix), qr, k, v, valid.astype(jnp.int32))
+    out = out[:, :, :m].reshape(b, kv, t, g, h).transpose(0, 2, 1, 3, 4)
+    return out, lse[:, :, :m].reshape(b, kv, t, g).transpose(0, 2, 1, 3)
+
+
+def _kernel(q_pos_ref, prefix_ref, q_ref, k_ref, v_ref, valid_ref, out_ref, lse_ref, *, scale, probs_dtype):
+    row, head = pl.program_id(0), pl.program_id(1)
+    q = q_ref[...]
+    q_pos, prefix = q_pos_ref[...], prefix_ref[...]
+    # At the precision of the program being traced, as every product (jspec.model.numerics).
+    dot = functools.partial(jax.lax.dot_general, preferred_element_type=jnp.float32)
+
+    def block(i, carry):
+        m, l, acc = carry
+        keys = pl.ds(pl.multiple_of(i * KEY_BLOCK, KEY_BLOCK), KEY_BLOCK)
+        k = k_ref[row, keys, head, :]
+        v = v_ref[row, keys, head, :]
+        key = i * KEY_BLOCK + jnp.arange(KEY_BLOCK)
+        seen = ((key[None, :] < prefix[:, None]) | (key[None, :] == q_pos[:, None])) & (valid_ref[row, keys] != 0)[None, :]
+        scores = jnp.where(seen, dot(q, k, (((1,), (1,)), ((), ()))) * scale, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(scores, axis=1))
+        # A query that has seen no key yet keeps -inf; a block it sees nothing of adds exactly 0
+        # and scales by exactly 1, so a row's result does not depend on how far the loop ran.
+        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp(scores - shift[:, None])
+        correction = jnp.exp(m - shift)
+        acc = acc * correction[:, None] + dot(p.astype(probs_dtype), v.astype(probs_dtype), (((1,), (0,)), ((), ())))
+        return m_new, l * correction + jnp.sum(p, axis=1), acc
+
+    rows, h = q.shape
+    # Through the block of the row's furthest query, and no further than the cache.
+    blocks = jnp.minimum(jnp.max(q_pos) // KEY_BLOCK + 1, k_ref.shape[1] // KEY_BLOCK)
+    init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, h), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(0, blocks, block, init)
+    out_ref[...] = jnp.where(l[:, None] > 0, acc / l[:, None], 0.0).astype(out_ref.dtype)
+    lse_ref[...] = m + jnp.log(l)

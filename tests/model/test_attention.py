@@ -43,15 +43,18 @@ def test_equals_the_einsums(path, shape):
         np.testing.assert_allclose(np.asarray(got_lse), np.asarray(want_lse), atol=2e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("queries", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("path", sorted(PATHS))
-def test_bfloat16(path):
-    """bfloat16 queries and cache: products accumulated in float32, the output in bfloat16."""
-    q, k, v, q_pos, valid = (x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x
-                             for x in attention_inputs(2, 4, 2, 2, 32, 128, seed=3))
+def test_a_bfloat16_cache(path, queries):
+    """A bfloat16 cache under bfloat16 or float32 queries: products in the wider type, accumulated
+    in float32, the output in the queries' type."""
+    q, k, v, q_pos, valid = attention_inputs(2, 4, 2, 2, 32, 128, seed=3)
+    q, k, v = q.astype(queries), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
     got, _ = jax.jit(PATHS[path])(q, k, v, q_pos, valid, q_pos + 1)
     want, _ = attention.xla_attention(q, k, v, q_pos, valid)
-    assert got.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=0)
+    assert got.dtype == queries
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               atol=2e-2 if queries == jnp.bfloat16 else 2e-6, rtol=0)
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
@@ -90,6 +93,19 @@ def equations(jaxpr):
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
                     yield from equations(inner)
+
+
+@pytest.mark.parametrize("policy", [numerics.Numerics(), numerics.Numerics(kv_cache="bfloat16"),
+                                    numerics.Numerics("bfloat16", "bfloat16")], ids=str)
+def test_the_gpu_kernel_lowers_for_cuda_in_every_policy(policy):
+    """Lowered through Triton (no device needed), which multiplies operands of one type only: float32
+    queries over a bfloat16 cache included."""
+    q, k, v, q_pos, valid = attention_inputs(2, 3, 2, 2, 16, 128, seed=0)
+    q, k, v = q.astype(numerics.DTYPES[policy.activations]), k.astype(policy.kv_cache_dtype), v.astype(policy.kv_cache_dtype)
+    with numerics.tracing(policy, "cuda"):
+        text = jax.jit(gpu_attention.attention).trace(q, k, v, q_pos, valid, q_pos + 1).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert f"@{gpu_attention.TARGET}" in text
 
 
 def test_gradients_are_the_einsums(monkeypatch):

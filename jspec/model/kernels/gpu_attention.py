@@ -50,7 +50,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid:
     qr = jnp.pad(q.transpose(0, 2, 1, 3, 4).reshape(b, kv, m, h), ((0, 0), (0, 0), (0, rows - m), (0, 0)))
     per_row = lambda x: jnp.pad(jnp.repeat(x.astype(jnp.int32), g, axis=1), ((0, 0), (0, rows - m)),  # noqa: E731
                                 constant_values=-1)
-    kernel = functools.partial(_kernel, scale=h ** -0.5, probs_dtype=jnp.promote_types(q.dtype, v.dtype))
+    # Triton multiplies operands of one type: each product in the wider of its two, as XLA's einsums.
+    kernel = functools.partial(_kernel, scale=h ** -0.5, scores_dtype=jnp.promote_types(q.dtype, k.dtype),
+                               probs_dtype=jnp.promote_types(q.dtype, v.dtype))
     out, lse = pl.pallas_call(
         kernel,
         grid=(b, kv),
@@ -70,9 +72,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid:
     return out, lse[:, :, :m].reshape(b, kv, t, g).transpose(0, 2, 1, 3)
 
 
-def _kernel(q_pos_ref, prefix_ref, q_ref, k_ref, v_ref, valid_ref, out_ref, lse_ref, *, scale, probs_dtype):
+def _kernel(q_pos_ref, prefix_ref, q_ref, k_ref, v_ref, valid_ref, out_ref, lse_ref, *, scale, scores_dtype,
+            probs_dtype):
     row, head = pl.program_id(0), pl.program_id(1)
-    q = q_ref[...]
+    q = q_ref[...].astype(scores_dtype)
     q_pos, prefix = q_pos_ref[...], prefix_ref[...]
     # At the precision of the program being traced, as every product (jspec.model.numerics).
     dot = functools.partial(jax.lax.dot_general, preferred_element_type=jnp.float32)
@@ -80,8 +83,8 @@ def _kernel(q_pos_ref, prefix_ref, q_ref, k_ref, v_ref, valid_ref, out_ref, lse_
     def block(i, carry):
         m, l, acc = carry
         keys = pl.ds(pl.multiple_of(i * KEY_BLOCK, KEY_BLOCK), KEY_BLOCK)
-        k = k_ref[row, keys, head, :]
-        v = v_ref[row, keys, head, :]
+        k = k_ref[row, keys, head, :].astype(scores_dtype)
+        v = v_ref[row, keys, head, :].astype(probs_dtype)
         key = i * KEY_BLOCK + jnp.arange(KEY_BLOCK)
         seen = ((key[None, :] < prefix[:, None]) | (key[None, :] == q_pos[:, None])) & (valid_ref[row, keys] != 0)[None, :]
         scores = jnp.where(seen, dot(q, k, (((1,), (1,)), ((), ()))) * scale, -jnp.inf)
@@ -91,7 +94,7 @@ def _kernel(q_pos_ref, prefix_ref, q_ref, k_ref, v_ref, valid_ref, out_ref, lse_
         shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         p = jnp.exp(scores - shift[:, None])
         correction = jnp.exp(m - shift)
-        acc = acc * correction[:, None] + dot(p.astype(probs_dtype), v.astype(probs_dtype), (((1,), (0,)), ((), ())))
+        acc = acc * correction[:, None] + dot(p.astype(probs_dtype), v, (((1,), (0,)), ((), ())))
         return m_new, l * correction + jnp.sum(p, axis=1), acc
 
     rows, h = q.shape

@@ -8,7 +8,8 @@ category) run under `--batching static` and then `--batching continuous`, greedy
 Per run: tokens/s (the new tokens over the Model's clock, which leaves compiles out, as records'
 `seconds` do), and useful row-steps: the rounds rows spent decoding (each record's `rounds` less
 its prefill) over the rows times the rounds the batch ran (`batch_rounds`: a static batch's own,
-summed over its batches; for a continuous run, the run's). The continuous run's tokens must be
+summed over its batches; for a continuous run, the run's); also the programs the run compiled and
+the seconds that took (left out of tokens/s). The continuous run's tokens must be
 the static run's, row for row: the script says where they are not.
 """
 
@@ -40,16 +41,20 @@ def useful_row_steps(model, requests, records, batch_size: int, batching: str) -
     return useful, run
 
 
-def measure(model, requests, spec, batch_size: int, batching: str, max_new: int) -> tuple[dict, list[dict]]:
-    began = model.clock()
+def measure(model, requests, spec, batch_size: int, batching: str, max_new: int,
+            pricing: str = "auto") -> tuple[dict, list[dict]]:
+    began, compiles, compile_seconds = model.clock(), model.compiles, model.compile_seconds
     records = list(model.stream(requests, spec.name, max_new_tokens=max_new, batch_size=batch_size,
-                                batching=batching, **dict(spec.options)))
+                                batching=batching, pricing=pricing, **dict(spec.options)))
     seconds = model.clock() - began
     tokens = sum(r["new_tokens"] for r in records)
     useful, run = useful_row_steps(model, requests, records, batch_size, batching)
-    row = {"method": spec.label, "batch_size": batch_size, "batching": batching, "prompts": len(requests),
+    row = {"method": spec.label, "batch_size": batch_size, "batching": batching, "pricing": pricing,
+           "prompts": len(requests),
            "new_tokens": tokens, "seconds": round(seconds, 3), "tokens_per_second": round(tokens / seconds, 2),
-           "useful_row_steps": round(useful / run, 4), "row_steps": run}
+           "useful_row_steps": round(useful / run, 4), "row_steps": run,
+           "programs_compiled": model.compiles - compiles,
+           "compile_seconds": round(model.compile_seconds - compile_seconds, 1)}
     return row, records
 
 
@@ -62,6 +67,9 @@ def main() -> None:
     p.add_argument("--limit", type=int, default=None, help="the first N questions of each category")
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default=None)
+    p.add_argument("--pricing", default="auto", choices=("auto", "on", "off"),
+                   help="generate's --pricing for both runs; auto prices continuous batching's rounds only, "
+                        "so `on` or `off` compares the batching alone")
     p.add_argument("--output", required=True, help="JSONL, one row per run")
     p.add_argument("--markdown", default=None)
     args = p.parse_args()
@@ -75,7 +83,8 @@ def main() -> None:
             for spec in parse_methods(args.methods):
                 tokens = {}
                 for batching in ("static", "continuous"):
-                    row, records = measure(model, requests, spec, batch_size, batching, args.max_new_tokens)
+                    row, records = measure(model, requests, spec, batch_size, batching, args.max_new_tokens,
+                                           args.pricing)
                     tokens[batching] = {r["id"]: r["token_ids"] for r in records}
                     if batching == "continuous":
                         row["same_as_static"] = sum(tokens["static"][i] == t for i, t in tokens[batching].items())
@@ -91,14 +100,17 @@ def table(rows: list[dict], args) -> str:
     lines = [f"# Continuous against static batching ({rows[0]['prompts']} prompts of "
              f"{args.prompts}, {args.max_new_tokens} new tokens, greedy)", "",
              f"Command: `python benchmarks/batching.py --methods {args.methods} --batch-sizes {args.batch_sizes} "
-             f"--max-new-tokens {args.max_new_tokens}" + (f" --limit {args.limit}" if args.limit else "") + "`", "",
+             f"--max-new-tokens {args.max_new_tokens} --pricing {args.pricing}"
+             + (f" --limit {args.limit}" if args.limit else "") + "`", "",
              "| method | batch | static tokens/s | continuous tokens/s | ratio | static useful row-steps | "
-             "continuous useful row-steps | rows identical |", "|---|---|---|---|---|---|---|---|"]
+             "continuous useful row-steps | rows identical | programs compiled, static / continuous |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for static, cont in zip(rows[::2], rows[1::2]):
         lines.append(f"| {static['method']} | {static['batch_size']} | {static['tokens_per_second']:.1f} | "
                      f"{cont['tokens_per_second']:.1f} | {cont['tokens_per_second'] / static['tokens_per_second']:.2f}x | "
                      f"{static['useful_row_steps']:.0%} | {cont['useful_row_steps']:.0%} | "
-                     f"{cont['same_as_static']}/{cont['prompts']} |")
+                     f"{cont['same_as_static']}/{cont['prompts']} | "
+                     f"{static.get('programs_compiled', '-')} / {cont.get('programs_compiled', '-')} |")
     return "\n".join(lines) + "\n"
 
 

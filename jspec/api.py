@@ -283,6 +283,12 @@ class Model:
         """Seconds spent compiling this model's programs so far."""
         return self._programs.build_seconds
 
+    @property
+    def compiles(self) -> int:
+        """Programs compiled for this model so far (a program dropped from the process's budget and
+        needed again counts again)."""
+        return self._programs.builds
+
     def clock(self) -> float:
         """Seconds, less those spent compiling this model's programs: what records' `seconds` count."""
         return time.perf_counter() - self.compile_seconds

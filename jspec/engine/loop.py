@@ -90,7 +90,7 @@ class Run:
 
     def tracing(self):
         """The context a program of this Run is traced in (jspec.model.numerics.tracing)."""
-        return tracing(self.numerics, self.platform)
+        return tracing(self.numerics, self.platform, self.mesh)
 
     def start(self, params, dparams, cache, tokens, packing, eos_ids, key) -> LoopState:
         """Prefill B prompts into `cache` (B rows) and emit each one's first token."""

@@ -47,6 +47,7 @@ class Programs:
     def __init__(self):
         self._entries: dict = {}  # signature -> [last use, jax.stages.Compiled]
         self.build_seconds = 0.0  # spent compiling, in all: what a clock that leaves compiles out subtracts
+        self.builds = 0  # programs compiled, in all (one dropped and compiled again counts twice)
         _tables.add(self)
 
     def get(self, signature, build: Callable[[], jax.stages.Compiled]) -> jax.stages.Compiled:
@@ -59,6 +60,7 @@ class Programs:
         began = time.perf_counter()
         compiled = build()
         self.build_seconds += time.perf_counter() - began
+        self.builds += 1
         self._entries[signature] = [next(_clock), compiled]
         _sweep()
         return compiled

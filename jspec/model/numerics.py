@@ -11,11 +11,10 @@ DEFAULT precision a TPU multiplies float32 in bfloat16 passes and a recent NVIDI
 TF32, so float32 activations get HIGHEST precision (a no-op on a CPU). bfloat16 activations get
 DEFAULT: their products are exact at any precision, accumulated in float32.
 
-A program is traced inside `tracing(numerics, platform)` (jspec.engine.loop.Run.tracing: a
-program's one static argument, its Run, carries both, so a program is compiled per policy and
-platform); the decoder asks
-`activation_dtype()` and `platform()` while it is traced. Outside, they are float32 and the
-default backend.
+A program is traced inside `tracing(numerics, platform, mesh)` (jspec.engine.loop.Run.tracing: a
+program's one static argument, its Run, carries them, so a program is compiled per policy,
+platform and mesh); the decoder asks `activation_dtype()`, `platform()` and `mesh()` while it is
+traced. Outside, they are float32, the default backend and no mesh.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jspec.errors import JspecError
 
@@ -57,13 +57,14 @@ class Numerics:
                 "matmul_precision": self.precision}
 
 
-_tracing: contextvars.ContextVar[tuple[Numerics, str] | None] = contextvars.ContextVar("jspec_numerics", default=None)
+_tracing: contextvars.ContextVar[tuple[Numerics, str, Mesh | None] | None] = contextvars.ContextVar(
+    "jspec_numerics", default=None)
 
 
 @contextlib.contextmanager
-def tracing(numerics: Numerics, platform: str):
-    """Trace a program for `platform` with `numerics`."""
-    token = _tracing.set((numerics, platform))
+def tracing(numerics: Numerics, platform: str, mesh: Mesh | None = None):
+    """Trace a program for `platform` (and `mesh`, when it is split over one) with `numerics`."""
+    token = _tracing.set((numerics, platform, mesh))
     # A CPU multiplies float32 in float32 at any precision: its programs are left as they were.
     precision = jax.default_matmul_precision(numerics.precision) if platform != "cpu" else contextlib.nullcontext()
     try:
@@ -83,3 +84,9 @@ def platform() -> str:
     (jax.export), gets what runs there, not the CPU's paths."""
     current = _tracing.get()
     return current[1] if current else jax.default_backend()
+
+
+def mesh() -> Mesh | None:
+    """The mesh the program being traced is split over, or None (one device)."""
+    current = _tracing.get()
+    return current[2] if current else None

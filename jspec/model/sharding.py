@@ -78,7 +78,8 @@ def device_grid(shape: tuple[int, int], devices: list) -> np.ndarray:
     return np.array(devices).reshape(shape)
 
 
-def _spec(mesh: Mesh, axes: tuple[str | None, ...], shape: tuple[int, ...]) -> P:
+def spec(mesh: Mesh, axes: tuple[str | None, ...], shape: tuple[int, ...]) -> P:
+    """The PartitionSpec of an array of `shape` split by `axes`, each only where it divides the dimension."""
     return P(*(a if a is not None and dim % mesh.shape[a] == 0 else None for a, dim in zip(axes, shape)))
 
 
@@ -96,7 +97,7 @@ def shardings(tree, mesh: Mesh, rules: dict[str, tuple[str | None, ...]] = RULES
 
     def one(path, leaf):
         shape = leaf if isinstance(leaf, tuple) else leaf.shape
-        return NamedSharding(mesh, _spec(mesh, rule(path, len(shape), rules), shape))
+        return NamedSharding(mesh, spec(mesh, rule(path, len(shape), rules), shape))
 
     return jax.tree_util.tree_map_with_path(one, tree, is_leaf=lambda x: isinstance(x, tuple))
 
@@ -107,12 +108,12 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def cache_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
-    return NamedSharding(mesh, _spec(mesh, CACHE_RULE, shape))
+    return NamedSharding(mesh, spec(mesh, CACHE_RULE, shape))
 
 
 def rows_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
     """Per-row inputs ([B, ...]) are split over the data axis."""
-    return NamedSharding(mesh, _spec(mesh, ("data",) + (None,) * (len(shape) - 1), shape))
+    return NamedSharding(mesh, spec(mesh, ("data",) + (None,) * (len(shape) - 1), shape))
 
 
 def pin_rows(tree, mesh: Mesh | None):

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import on_mesh
 from support.attention import attention_inputs
 from support.spec import repetitive_prompts
 
@@ -134,3 +135,28 @@ def test_decodes_the_cpus_tokens(tiny_llama, platform, monkeypatch):
             m.setattr(Model, "platform", property(lambda self: platform))
             got = model.generate(prompts, method=method, batch_size=3, batching="static", max_new_tokens=10, **options)
         assert [r["token_ids"] for r in got] == [r["token_ids"] for r in want], method
+
+
+def test_on_a_mesh_each_device_runs_the_gpu_kernel_on_its_rows_and_heads(tiny_llama, monkeypatch):
+    """On a data=2, model=2 mesh (4 of this CPU's 8 devices, the platform taken for cuda), the
+    kernel runs on each device's 2 rows and 1 KV head of the batch's 4 and 2 (shard_map), and the
+    sharded generation has the unsharded CPU's tokens."""
+    model = Model(tiny_llama.cfg, tiny_llama.params, name="tiny")
+    prompts = repetitive_prompts((9, 30, 14, 20), model.cfg.vocab_size, seed=4)
+    options = {"datastore": "off", "max_draft": 3}
+    want = model.generate(prompts, method="ngram", batch_size=4, batching="static", max_new_tokens=10, **options)
+    seen, one_device = [], gpu_attention._attention
+
+    def spy(q, *args, **kwargs):
+        seen.append(q.shape)
+        return one_device(q, *args, **kwargs)
+
+    monkeypatch.setattr(gpu_attention, "_attention", spy)
+    monkeypatch.setattr(gpu_attention, "attention", interpreted)
+    monkeypatch.setattr(Model, "platform", property(lambda self: "cuda"))
+    jax.clear_caches()
+    got = on_mesh(model, "data=2,model=2").generate(prompts, method="ngram", batch_size=4, batching="static",
+                                                     max_new_tokens=10, **options)
+    jax.clear_caches()
+    assert [r["token_ids"] for r in got] == [r["token_ids"] for r in want]
+    assert seen and all(shape[0] == 2 and shape[2] == 1 for shape in seen), seen

@@ -80,16 +80,16 @@ gpu_enabled = os.environ.get("JSPEC_NATIVE") != "0"  # read by `takes_gpu_attent
 
 @contextlib.contextmanager
 def off():
-    """Trace without the kernels, for a program over several devices: XLA cannot split a foreign
-    call, so to make one it would gather every weight and cache whole onto each device (a 1.5B
-    model on 8 devices then needs 8 copies). The multiply-and-sum path splits like any op."""
-    global enabled, gpu_enabled
-    before = enabled, gpu_enabled
-    enabled = gpu_enabled = False
+    """Trace without the CPU's kernels, for a program over several devices: XLA cannot split a
+    foreign call, so to make one it would gather every weight and cache whole onto each device (a
+    1.5B model on 8 devices then needs 8 copies). The multiply-and-sum path splits like any op.
+    (The GPU's attention kernel is split by the program's mesh instead: gpu_attention.)"""
+    global enabled
+    before, enabled = enabled, False
     try:
         yield
     finally:
-        enabled, gpu_enabled = before
+        enabled = before
 
 
 def takes(x: jax.Array, w, rows: int) -> bool:

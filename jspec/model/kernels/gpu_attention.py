@@ -5,9 +5,9 @@ XLA's attention reads the whole allocated cache every step, [B, S, K, H] a layer
 it is filled: at batch 32 with a 2,048-entry cache an 8B model reads about as many bytes of cache
 as of weights each step. An XLA loop over the filled blocks would bound the reads, but a `while`
 on a GPU copies its trip test to the host every iteration, a layer at a time. Here the loop is in
-the kernel: one program per row and KV head walks the row's key blocks up to its furthest query
-position, keeping a running softmax (flash decoding without the split over keys), so a row reads
-its own filled part and nothing past it.
+the kernel (flash decoding): a program per row, KV head and split of the cache's key blocks walks
+its blocks up to the row's furthest query position, keeping a running softmax, and the splits'
+softmaxes are combined after; a row reads its own filled part and nothing past it.
 
 The queries of a row's KV head, T positions x G heads, are one [M, H] block (M padded to a power of
 two, at least 16, as Triton's dot asks), so a decode step, a verification of K + 1 positions and a
@@ -24,7 +24,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jspec.model import numerics, sharding
+
 KEY_BLOCK = 64  # keys a step of the kernel's loop reads
+# Programs a call aims for at least: a row's keys are split over several programs (flash
+# decoding) when rows x KV heads are fewer, so one row over a long cache still keeps the GPU's
+# streaming multiprocessors (132 on an H100) busy; each split's softmax is combined after.
+PROGRAMS = 256
 TARGET = "__gpu$xla.gpu.triton"  # the custom call it lowers to (jax.export needs it named)
 
 
@@ -42,39 +48,73 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid:
     and key q_pos[b, t], those with valid[b, j] (as kernels.attention). Returns the output
     [B, T, K, G, H] in q's dtype and the log of each query's softmax denominator [B, T, K, G]
     (-inf where it sees no key), float32. `interpret` runs the kernel as JAX operations (any
-    platform: the tests' CPU)."""
+    platform: the tests' CPU).
+
+    In a program split over a mesh (jspec.model.numerics.mesh) XLA cannot split the kernel's call,
+    and would gather the cache whole onto every device for it: each device runs it on its own rows
+    and KV heads instead (shard_map), the cache split as jspec.model.sharding splits it."""
+    call = functools.partial(_attention, interpret=interpret)
+    mesh = numerics.mesh()
+    if mesh is None or mesh.devices.size == 1:
+        return call(q, k, v, q_pos, valid, prefix)
+    heads = sharding.spec(mesh, ("data", None, "model", None, None), q.shape)
+    rows = lambda x: sharding.spec(mesh, ("data", None), x.shape)  # noqa: E731
+    cache = sharding.spec(mesh, sharding.CACHE_RULE, k.shape)
+    split = jax.shard_map(call, mesh=mesh, in_specs=(heads, cache, cache, rows(q_pos), rows(valid), rows(prefix)),
+                          out_specs=(heads, jax.sharding.PartitionSpec(*heads[:4])), check_vma=False)
+    return split(q, k, v, q_pos, valid, prefix)
+
+
+def _attention(q, k, v, q_pos, valid, prefix, interpret):
+    """attention() on one device."""
     b, t, kv, g, h = q.shape
     m = t * g
     rows = max(16, 1 << (m - 1).bit_length())
+    blocks = k.shape[1] // KEY_BLOCK
+    splits = min(blocks, -(-PROGRAMS // (b * kv)))
+    per_split = -(-blocks // splits)
     # Query rows (t, g) of each KV head together, padded with queries that see nothing.
     qr = jnp.pad(q.transpose(0, 2, 1, 3, 4).reshape(b, kv, m, h), ((0, 0), (0, 0), (0, rows - m), (0, 0)))
     per_row = lambda x: jnp.pad(jnp.repeat(x.astype(jnp.int32), g, axis=1), ((0, 0), (0, rows - m)),  # noqa: E731
                                 constant_values=-1)
     # Triton multiplies operands of one type: each product in the wider of its two, as XLA's einsums.
-    kernel = functools.partial(_kernel, scale=h ** -0.5, scores_dtype=jnp.promote_types(q.dtype, k.dtype),
+    kernel = functools.partial(_kernel, per_split=per_split, scale=h ** -0.5,
+                               scores_dtype=jnp.promote_types(q.dtype, k.dtype),
                                probs_dtype=jnp.promote_types(q.dtype, v.dtype))
-    out, lse = pl.pallas_call(
+    part = lambda *shape: jax.ShapeDtypeStruct((b, kv, splits, rows, *shape), jnp.float32)  # noqa: E731
+    part_spec = lambda *shape: pl.BlockSpec((None, None, None, rows, *shape),  # noqa: E731
+                                            lambda i, j, n: (i, j, n, 0, *(0 for _ in shape)))
+    acc, top, total = pl.pallas_call(
         kernel,
-        grid=(b, kv),
-        in_specs=[pl.BlockSpec((None, rows), lambda i, j: (i, 0)),
-                  pl.BlockSpec((None, rows), lambda i, j: (i, 0)),
-                  pl.BlockSpec((None, None, rows, h), lambda i, j: (i, j, 0, 0)),
+        grid=(b, kv, splits),
+        in_specs=[pl.BlockSpec((None, rows), lambda i, j, n: (i, 0)),
+                  pl.BlockSpec((None, rows), lambda i, j, n: (i, 0)),
+                  pl.BlockSpec((None, None, rows, h), lambda i, j, n: (i, j, 0, 0)),
                   pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY),
                   pl.BlockSpec(memory_space=pl.ANY)],
-        out_specs=[pl.BlockSpec((None, None, rows, h), lambda i, j: (i, j, 0, 0)),
-                   pl.BlockSpec((None, None, rows), lambda i, j: (i, j, 0))],
-        out_shape=[jax.ShapeDtypeStruct((b, kv, rows, h), q.dtype), jax.ShapeDtypeStruct((b, kv, rows), jnp.float32)],
+        out_specs=[part_spec(h), part_spec(), part_spec()],
+        out_shape=[part(h), part(), part()],
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="jspec_attention",
     )(per_row(q_pos), per_row(prefix), qr, k, v, valid.astype(jnp.int32))
-    out = out[:, :, :m].reshape(b, kv, t, g, h).transpose(0, 2, 1, 3, 4)
-    return out, lse[:, :, :m].reshape(b, kv, t, g).transpose(0, 2, 1, 3)
+    # The splits' running softmaxes, combined: each scaled to the largest score any of them saw.
+    peak = jnp.max(top, axis=2, keepdims=True)
+    weight = jnp.where(top == -jnp.inf, 0.0, jnp.exp(top - jnp.where(peak == -jnp.inf, 0.0, peak)))
+    total = jnp.sum(total * weight, axis=2)
+    out = jnp.sum(acc * weight[..., None], axis=2)
+    out = jnp.where(total[..., None] > 0, out / total[..., None], 0.0)[:, :, :m]
+    lse = (peak[:, :, 0] + jnp.log(total))[:, :, :m]
+    return (out.reshape(b, kv, t, g, h).transpose(0, 2, 1, 3, 4).astype(q.dtype),
+            lse.reshape(b, kv, t, g).transpose(0, 2, 1, 3))
 
 
-def _kernel(q_pos_ref, prefix_ref, q_ref, k_ref, v_ref, valid_ref, out_ref, lse_ref, *, scale, scores_dtype,
-            probs_dtype):
-    row, head = pl.program_id(0), pl.program_id(1)
+def _kernel(q_pos_ref, prefix_ref, q_ref, k_ref, v_ref, valid_ref, acc_ref, top_ref, total_ref, *, per_split, scale,
+            scores_dtype, probs_dtype):
+    """One (row, KV head, split of the keys): the running softmax of the row's queries over the
+    split's key blocks, up to the block of the row's furthest query: its unnormalised sum of
+    values, largest score and sum of weights."""
+    row, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q = q_ref[...].astype(scores_dtype)
     q_pos, prefix = q_pos_ref[...], prefix_ref[...]
     # At the precision of the program being traced, as every product (jspec.model.numerics).
@@ -98,9 +138,9 @@ def _kernel(q_pos_ref, prefix_ref, q_ref, k_ref, v_ref, valid_ref, out_ref, lse_
         return m_new, l * correction + jnp.sum(p, axis=1), acc
 
     rows, h = q.shape
-    # Through the block of the row's furthest query, and no further than the cache.
-    blocks = jnp.minimum(jnp.max(q_pos) // KEY_BLOCK + 1, k_ref.shape[1] // KEY_BLOCK)
+    # This split's blocks, up to the block of the row's furthest query (none past the cache).
+    first = split * per_split
+    last = jnp.minimum(jnp.minimum(first + per_split, k_ref.shape[1] // KEY_BLOCK), jnp.max(q_pos) // KEY_BLOCK + 1)
     init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, h), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(0, blocks, block, init)
-    out_ref[...] = jnp.where(l[:, None] > 0, acc / l[:, None], 0.0).astype(out_ref.dtype)
-    lse_ref[...] = m + jnp.log(l)
+    m, l, acc = jax.lax.fori_loop(first, jnp.maximum(first, last), block, init)
+    acc_ref[...], top_ref[...], total_ref[...] = acc, m, l

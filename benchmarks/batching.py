@@ -43,7 +43,7 @@ def useful_row_steps(model, requests, records, batch_size: int, batching: str) -
 
 def measure(model, requests, spec, batch_size: int, batching: str, max_new: int,
             pricing: str = "auto") -> tuple[dict, list[dict]]:
-    began, compiles, compile_seconds = model.clock(), model.compiles, model.compile_seconds
+    began, (compiles, compile_seconds) = model.clock(), model.compiling
     records = list(model.stream(requests, spec.name, max_new_tokens=max_new, batch_size=batch_size,
                                 batching=batching, pricing=pricing, **dict(spec.options)))
     seconds = model.clock() - began
@@ -53,8 +53,8 @@ def measure(model, requests, spec, batch_size: int, batching: str, max_new: int,
            "prompts": len(requests),
            "new_tokens": tokens, "seconds": round(seconds, 3), "tokens_per_second": round(tokens / seconds, 2),
            "useful_row_steps": round(useful / run, 4), "row_steps": run,
-           "programs_compiled": model.compiles - compiles,
-           "compile_seconds": round(model.compile_seconds - compile_seconds, 1)}
+           "programs_compiled": model.compiling[0] - compiles,
+           "compile_seconds": round(model.compiling[1] - compile_seconds, 1)}
     return row, records
 
 

@@ -279,19 +279,13 @@ class Model:
         return [self._record(r, i, out, stats, seconds, drafter) for i, r in enumerate(batch)]
 
     @property
-    def compile_seconds(self) -> float:
-        """Seconds spent compiling this model's programs so far."""
-        return self._programs.build_seconds
-
-    @property
-    def compiles(self) -> int:
-        """Programs compiled for this model so far (a program dropped from the process's budget and
-        needed again counts again)."""
-        return self._programs.builds
+    def compiling(self) -> tuple[int, float]:
+        """(programs compiled for this model so far, seconds that took); one dropped and needed again counts again."""
+        return self._programs.builds, self._programs.build_seconds
 
     def clock(self) -> float:
         """Seconds, less those spent compiling this model's programs: what records' `seconds` count."""
-        return time.perf_counter() - self.compile_seconds
+        return time.perf_counter() - self._programs.build_seconds
 
     def pack(self, batch: Sequence[Request], rows: int) -> tuple[np.ndarray, Packing]:
         """The batch's prompts packed for its prefill (`pack`), one packed row per data shard (one

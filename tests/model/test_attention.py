@@ -145,13 +145,13 @@ def test_on_a_mesh_each_device_runs_the_gpu_kernel_on_its_rows_and_heads(tiny_ll
     prompts = repetitive_prompts((9, 30, 14, 20), model.cfg.vocab_size, seed=4)
     options = {"datastore": "off", "max_draft": 3}
     want = model.generate(prompts, method="ngram", batch_size=4, batching="static", max_new_tokens=10, **options)
-    seen, one_device = [], gpu_attention._attention
+    seen, one_device = [], gpu_attention.on_device
 
     def spy(q, *args, **kwargs):
         seen.append(q.shape)
         return one_device(q, *args, **kwargs)
 
-    monkeypatch.setattr(gpu_attention, "_attention", spy)
+    monkeypatch.setattr(gpu_attention, "on_device", spy)
     monkeypatch.setattr(gpu_attention, "attention", interpreted)
     monkeypatch.setattr(Model, "platform", property(lambda self: "cuda"))
     jax.clear_caches()

@@ -53,7 +53,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid:
     In a program split over a mesh (jspec.model.numerics.mesh) XLA cannot split the kernel's call,
     and would gather the cache whole onto every device for it: each device runs it on its own rows
     and KV heads instead (shard_map), the cache split as jspec.model.sharding splits it."""
-    call = functools.partial(_attention, interpret=interpret)
+    call = functools.partial(on_device, interpret=interpret)
     mesh = numerics.mesh()
     if mesh is None or mesh.devices.size == 1:
         return call(q, k, v, q_pos, valid, prefix)
@@ -65,8 +65,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid:
     return split(q, k, v, q_pos, valid, prefix)
 
 
-def _attention(q, k, v, q_pos, valid, prefix, interpret):
-    """attention() on one device."""
+def on_device(q, k, v, q_pos, valid, prefix, interpret=False):
+    """attention() on one device (or one device's part of a mesh)."""
     b, t, kv, g, h = q.shape
     m = t * g
     rows = max(16, 1 << (m - 1).bit_length())

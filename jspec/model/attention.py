@@ -2,15 +2,15 @@
 
 A query at position p sees cache entries 0..p of its row (entries past a row's position are stale
 and never seen). Each platform gets its own path behind `attention` (docs/design.md, "Attention on
-each platform"):
+a CPU" and "Attention on a GPU and a TPU"):
 - a CPU: jspec's native kernel for the few-position cases (jspec/model/kernels), which reads the
   cache in place where XLA transposes all of it first; XLA's einsums otherwise;
 - an NVIDIA GPU: a Pallas kernel that reads each row's filled part of the cache only
-  (kernels/gpu_attention.py);
-- a TPU (and a GPU where the kernel does not apply): `filled_attention`, an XLA loop over the key
-  blocks up to the batch's furthest query, with a running softmax. A TPU runs a loop's control on
-  the device; a GPU would copy each trip test to the host, so a GPU without the kernel reads the
-  whole cache with XLA's einsums.
+  (kernels/gpu_attention.py); XLA's einsums over the whole cache where it does not apply (a GPU
+  would copy the trip test of an XLA loop to the host every iteration);
+- a TPU: `filled_attention`, an XLA loop over the key blocks up to the batch's furthest query,
+  with a running softmax (a TPU runs a loop's control on the device).
+A prefill's spans read only their prompt's keys already: on a GPU and a TPU they keep XLA's einsums.
 """
 
 from __future__ import annotations

@@ -21,8 +21,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from jspec.model import numerics, sharding
 
@@ -67,6 +65,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid:
 
 def on_device(q, k, v, q_pos, valid, prefix, interpret=False):
     """attention() on one device (or one device's part of a mesh)."""
+    # Pallas is imported when a GPU program is traced: at import it took 0.1 s of every start.
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
     b, t, kv, g, h = q.shape
     m = t * g
     rows = max(16, 1 << (m - 1).bit_length())
@@ -114,6 +116,8 @@ def _kernel(q_pos_ref, prefix_ref, q_ref, k_ref, v_ref, valid_ref, acc_ref, top_
     """One (row, KV head, split of the keys): the running softmax of the row's queries over the
     split's key blocks, up to the block of the row's furthest query: its unnormalised sum of
     values, largest score and sum of weights."""
+    from jax.experimental import pallas as pl
+
     row, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q = q_ref[...].astype(scores_dtype)
     q_pos, prefix = q_pos_ref[...], prefix_ref[...]

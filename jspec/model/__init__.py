@@ -1,12 +1,14 @@
 """The target network: its config, the decoder as pure functions (decoder, attention), the weights'
 dtypes, int8 included (weights), the activations' dtypes and precision (numerics), Hugging Face's
-layout of its weights (layout), their sharding (sharding) and the CPU kernels (kernels).
+layout of its weights (layout), their sharding (sharding), the CPU's and the GPU's kernels (kernels)
+and the running softmax of the loops over the filled part of the cache (online_softmax).
 
 jspec 0.1's `jspec.model` module is now `jspec.model.decoder` (and `layout`, `attention`): its
 names are still read here, with a DeprecationWarning, until the next release."""
 
 
-SUBMODULES = ("attention", "config", "decoder", "kernels", "layout", "numerics", "sharding", "weights")
+SUBMODULES = ("attention", "config", "decoder", "kernels", "layout", "numerics", "online_softmax", "sharding",
+              "weights")
 
 
 def __getattr__(name: str):

@@ -21,7 +21,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jspec.model import kernels, numerics
+from jspec.model import kernels, numerics, online_softmax
 from jspec.model.kernels import gpu_attention
 
 PREFILL_BLOCK = 64  # queries per block of prefill attention
@@ -50,26 +50,27 @@ def attention_and_lse(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array
 
 def _on_platform(q, k, v, q_pos, valid, prefix, filled=False):
     """(output, lse) by the path of the platform being traced."""
-    accelerated = kernels.takes_gpu_attention(q, k) or numerics.platform() == "tpu"
-    if kernels.takes_attention(q, k, v) or (accelerated and not filled):
-        valid = jnp.ones(k.shape[:2], jnp.bool_) if valid is None else valid
-        return _kernel_attention(q, k, v, q_pos, valid, q_pos + 1 if prefix is None else prefix)
-    return xla_attention(q, k, v, q_pos, valid, prefix)
+    if kernels.takes_attention(q, k, v):
+        path = kernels.attention
+    elif kernels.takes_gpu_attention(q, k) and not filled:
+        path = gpu_attention.attention
+    elif numerics.platform() == "tpu" and not filled:
+        path = filled_attention
+    else:
+        return xla_attention(q, k, v, q_pos, valid, prefix)
+    valid = jnp.ones(k.shape[:2], jnp.bool_) if valid is None else valid
+    return _differentiable(path, q, k, v, q_pos, valid, q_pos + 1 if prefix is None else prefix)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5))
-def _kernel_attention(q, k, v, q_pos, valid, prefix):
-    """(output, lse) of the CPU's native kernel, the GPU's Pallas kernel or TPU's filled_attention."""
-    platform = numerics.platform()
-    if platform == "cpu":
-        return kernels.attention(q, k, v, q_pos, valid, prefix)
-    if platform == "cuda":
-        return gpu_attention.attention(q, k, v, q_pos, valid, prefix)
-    return filled_attention(q, k, v, q_pos, valid, prefix)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 4, 5, 6))
+def _differentiable(path, q, k, v, q_pos, valid, prefix):
+    """path(q, k, v, q_pos, valid, prefix): the CPU's native kernel, the GPU's Pallas kernel or the
+    TPU's filled_attention, with the einsums' derivative."""
+    return path(q, k, v, q_pos, valid, prefix)
 
 
-@_kernel_attention.defjvp
-def _kernel_attention_jvp(q_pos, valid, prefix, primals, tangents):
+@_differentiable.defjvp
+def _differentiable_jvp(path, q_pos, valid, prefix, primals, tangents):
     # XLA cannot differentiate a foreign call, nor reverse a loop of unknown length: training a
     # draft head differentiates the einsums, which compute the same function.
     return jax.jvp(lambda q, k, v: xla_attention(q, k, v, q_pos, valid, prefix), primals, tangents)
@@ -78,35 +79,25 @@ def _kernel_attention_jvp(q_pos, valid, prefix, primals, tangents):
 def filled_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid: jax.Array,
                      prefix: jax.Array):
     """xla_attention() reading only the key blocks up to the batch's furthest query: a loop over
-    blocks of KEY_BLOCK keys (or fewer, dividing the cache's length) with a running softmax. A
-    block a query sees nothing of adds exactly 0 to its sums and scales them by exactly 1, so a
-    row's result does not depend on the other rows' lengths."""
+    blocks of KEY_BLOCK keys (or fewer, dividing the cache's length) with a running softmax
+    (jspec.model.online_softmax), so a row's result does not depend on the other rows' lengths."""
     b, t, kv, g, h = q.shape
     size = math.gcd(k.shape[1], KEY_BLOCK)
     probs_dtype = jnp.promote_types(q.dtype, v.dtype)
 
-    def block(i, carry):
-        m, l, acc = carry
+    def block(i, state):
         start = i * size
         kb, vb, ok = (jax.lax.dynamic_slice_in_dim(x, start, size, axis=1) for x in (k, v, valid))
         key = start + jnp.arange(size)
         seen = ((key < prefix[:, :, None]) | (key == q_pos[:, :, None])) & ok[:, None, :]  # [B, T, size]
         scores = jnp.einsum("btkgh,bskh->bkgts", q, kb, preferred_element_type=jnp.float32) * h ** -0.5
         scores = jnp.where(seen[:, None, None], scores, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
-        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a query that has seen no key yet
-        p = jnp.exp(scores - shift[..., None])
-        correction = jnp.exp(m - shift)
-        pv = jnp.einsum("bkgts,bskh->bkgth", p.astype(probs_dtype), vb.astype(probs_dtype),
-                        preferred_element_type=jnp.float32)
-        return m_new, l * correction + jnp.sum(p, axis=-1), acc * correction[..., None] + pv
+        return online_softmax.step(state, scores, lambda p: jnp.einsum(
+            "bkgts,bskh->bkgth", p.astype(probs_dtype), vb.astype(probs_dtype), preferred_element_type=jnp.float32))
 
     blocks = jnp.minimum(jnp.max(q_pos) // size + 1, k.shape[1] // size)  # through the furthest query's block
-    init = (jnp.full((b, kv, g, t), -jnp.inf, jnp.float32), jnp.zeros((b, kv, g, t), jnp.float32),
-            jnp.zeros((b, kv, g, t, h), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(0, blocks, block, init)
-    out = jnp.where(l[..., None] > 0, acc / l[..., None], 0.0).transpose(0, 3, 1, 2, 4)
-    return out.astype(q.dtype), (m + jnp.log(l)).transpose(0, 3, 1, 2)
+    out, lse = online_softmax.result(jax.lax.fori_loop(0, blocks, block, online_softmax.empty((b, kv, g, t), h)))
+    return out.transpose(0, 3, 1, 2, 4).astype(q.dtype), lse.transpose(0, 3, 1, 2)
 
 
 def block_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,

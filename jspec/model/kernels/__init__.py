@@ -49,9 +49,12 @@ MAX_INT8_ROWS = 64
 MAX_QUERIES = 32
 
 
+WANTED = os.environ.get("JSPEC_NATIVE") != "0"  # JSPEC_NATIVE=0 turns every kernel off
+
+
 def _load() -> str | None:
     """Register the kernel with XLA; returns why it cannot be used, or None."""
-    if os.environ.get("JSPEC_NATIVE") == "0":
+    if not WANTED:
         return "JSPEC_NATIVE=0 is set"
     here = Path(__file__).parent
     built = [here / f"_native{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES]
@@ -75,7 +78,7 @@ def _load() -> str | None:
 
 unavailable = _load()  # why the CPU's kernels are not used; None when they are available
 enabled = unavailable is None  # read by `takes` and `takes_attention` at trace time
-gpu_enabled = os.environ.get("JSPEC_NATIVE") != "0"  # read by `takes_gpu_attention` at trace time
+gpu_enabled = WANTED  # read by `takes_gpu_attention` at trace time
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jspec.model import numerics, sharding
+from jspec.model import numerics, online_softmax, sharding
 
 KEY_BLOCK = 64  # keys a step of the kernel's loop reads
 # Programs a call aims for at least: a row's keys are split over several programs (flash
@@ -100,15 +100,9 @@ def on_device(q, k, v, q_pos, valid, prefix, interpret=False):
         interpret=interpret,
         name="jspec_attention",
     )(per_row(q_pos), per_row(prefix), qr, k, v, valid.astype(jnp.int32))
-    # The splits' running softmaxes, combined: each scaled to the largest score any of them saw.
-    peak = jnp.max(top, axis=2, keepdims=True)
-    weight = jnp.where(top == -jnp.inf, 0.0, jnp.exp(top - jnp.where(peak == -jnp.inf, 0.0, peak)))
-    total = jnp.sum(total * weight, axis=2)
-    out = jnp.sum(acc * weight[..., None], axis=2)
-    out = jnp.where(total[..., None] > 0, out / total[..., None], 0.0)[:, :, :m]
-    lse = (peak[:, :, 0] + jnp.log(total))[:, :, :m]
-    return (out.reshape(b, kv, t, g, h).transpose(0, 2, 1, 3, 4).astype(q.dtype),
-            lse.reshape(b, kv, t, g).transpose(0, 2, 1, 3))
+    out, lse = online_softmax.result(online_softmax.combine((top, total, acc), axis=2))
+    return (out[:, :, :m].reshape(b, kv, t, g, h).transpose(0, 2, 1, 3, 4).astype(q.dtype),
+            lse[:, :, :m].reshape(b, kv, t, g).transpose(0, 2, 1, 3))
 
 
 def _kernel(q_pos_ref, prefix_ref, q_ref, k_ref, v_ref, valid_ref, acc_ref, top_ref, total_ref, *, per_split, scale,
@@ -124,27 +118,17 @@ def _kernel(q_pos_ref, prefix_ref, q_ref, k_ref, v_ref, valid_ref, acc_ref, top_
     # At the precision of the program being traced, as every product (jspec.model.numerics).
     dot = functools.partial(jax.lax.dot_general, preferred_element_type=jnp.float32)
 
-    def block(i, carry):
-        m, l, acc = carry
+    def block(i, state):
         keys = pl.ds(pl.multiple_of(i * KEY_BLOCK, KEY_BLOCK), KEY_BLOCK)
         k = k_ref[row, keys, head, :].astype(scores_dtype)
         v = v_ref[row, keys, head, :].astype(probs_dtype)
         key = i * KEY_BLOCK + jnp.arange(KEY_BLOCK)
         seen = ((key[None, :] < prefix[:, None]) | (key[None, :] == q_pos[:, None])) & (valid_ref[row, keys] != 0)[None, :]
         scores = jnp.where(seen, dot(q, k, (((1,), (1,)), ((), ()))) * scale, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(scores, axis=1))
-        # A query that has seen no key yet keeps -inf; a block it sees nothing of adds exactly 0
-        # and scales by exactly 1, so a row's result does not depend on how far the loop ran.
-        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.exp(scores - shift[:, None])
-        correction = jnp.exp(m - shift)
-        acc = acc * correction[:, None] + dot(p.astype(probs_dtype), v, (((1,), (0,)), ((), ())))
-        return m_new, l * correction + jnp.sum(p, axis=1), acc
+        return online_softmax.step(state, scores, lambda p: dot(p.astype(probs_dtype), v, (((1,), (0,)), ((), ()))))
 
-    rows, h = q.shape
     # This split's blocks, up to the block of the row's furthest query (none past the cache).
     first = split * per_split
     last = jnp.minimum(jnp.minimum(first + per_split, k_ref.shape[1] // KEY_BLOCK), jnp.max(q_pos) // KEY_BLOCK + 1)
-    init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, h), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(first, jnp.maximum(first, last), block, init)
+    m, l, acc = jax.lax.fori_loop(first, jnp.maximum(first, last), block, online_softmax.empty(q.shape[:1], q.shape[1]))
     acc_ref[...], top_ref[...], total_ref[...] = acc, m, l

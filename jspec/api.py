@@ -5,9 +5,9 @@
     [r] = m.generate(["Name three primes."], max_new_tokens=64)
     print(r["text"], r["tokens_per_second"])
 
-Prompts of similar length are batched together and packed end to end for the prefill
-(jspec.batching), so a program is compiled once per (batch rows, prompt bucket, packed bucket,
-max_new_tokens, sampling, method) and never per prompt. Compilation happens before the clock
+Prompts of similar length are batched together (jspec.batching) and prefilled a chunk at a
+time, so a program is compiled once per (batch rows, cache length, max_new_tokens, sampling,
+method) and never per prompt. Compilation happens before the clock
 starts: `seconds` is the wall time of the batch that produced a record, prefill included.
 """
 
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec import compilation_cache, distributed, memory, methods
-from jspec.batching import Request, batch_rows, batches, pack, prompt_bucket
+from jspec.batching import Request, batch_rows, batches, prompt_bucket, prompt_rows
 from jspec.convert import cache as model_cache, store
 from jspec.engine import loop, slots
 from jspec.engine.pricing import measure as measure_costs, resolve as resolve_pricing
@@ -34,7 +34,7 @@ from jspec.engine.sampling import Sampling
 from jspec.errors import JspecError
 from jspec.model import kernels, sharding, weights
 from jspec.model.config import ModelConfig
-from jspec.model.decoder import KVCache, Packing
+from jspec.model.decoder import KVCache
 from jspec.model.layout import param_shapes
 from jspec.model.numerics import Numerics
 from jspec.prompts import Prompt, encode as encode_prompt, is_conversation, requests as make_requests
@@ -192,23 +192,23 @@ class Model:
         its longest prompt needs."""
         drafter, dparams, _ = plan
         rows = self.batch_rows(len(requests), batch_size)
-        length = memory.cache_length(max(prompt_bucket(len(r.token_ids)) for r in requests), max_new, drafter.max_draft)
+        length = self.cache_length(requests, max_new, drafter.max_draft)
         eos = self._eos()
         run = functools.partial(self._run_program, plan=plan, max_new=max_new, sampling=sampling, logprobs=logprobs)
         if isinstance(costs, str):  # timed on this run's own programs
             costs = self.round_costs(requests, rows, max_new, sampling, plan, logprobs, length)
         queue = collections.deque(requests)
         held: list[Request | None] = [queue.popleft() for _ in range(min(rows, len(queue)))]
-        tokens, packing = self.pack(held, rows)
+        tokens, lens = self.prompt_rows(held, rows, length)
         held += [None] * (rows - len(held))
         key = jax.random.fold_in(jax.random.key(seed), held[0].index)
         active = np.asarray([r is not None for r in held])
-        s, began = run(slots.fill, rows, packing.bucket, length, self._cache(rows, length),
-                       *self._place(tokens, packing), self._rows(active), eos, key)
+        s, began = run(slots.fill, rows, length, self._cache(rows, length), self._rows(tokens), self._rows(lens),
+                       self._rows(active), eos, key)
         began = [began] * rows
         while True:
             idle = np.asarray([r is None for r in held])
-            (s, done, out, stats), _ = run(slots.advance, rows, None, length, s, eos, self._rows(idle), np.int32(1),
+            (s, done, out, stats), _ = run(slots.advance, rows, length, s, eos, self._rows(idle), np.int32(1),
                                            self._on_all(costs), NEVER)
             done, out, stats = distributed.gather((done, out, stats))
             now = self.clock()
@@ -218,26 +218,26 @@ class Model:
             free = [i for i, r in enumerate(held) if r is None]
             if not queue and len(free) == rows:
                 break
-            # The free slots' prompts in one admit, packed as a batch of a power of two rows (a
-            # program per group size and bucket; its padding rows go to slot `rows`: dropped).
+            # The free slots' prompts in one admit, a batch of a power of two rows (a program per
+            # group size; its padding rows go to slot `rows`: dropped).
             take = free[:len(queue)]
             if take:
                 group = [queue.popleft() for _ in take]
                 n = 1 << (len(take) - 1).bit_length()
-                tokens, packing = self.pack(group, n)
+                tokens, lens = self.prompt_rows(group, n, length)
                 into = np.asarray(take + [rows] * (n - len(take)), np.int32)
                 key = jax.random.fold_in(jax.random.key(seed), group[0].index)
-                s, now = run(slots.admit, n, packing.bucket, length, s, *self._place(tokens, packing),
+                s, now = run(slots.admit, n, length, s, self._rows(tokens), self._rows(lens),
                              self._everywhere(into), eos, key)
                 for i, r in zip(take, group):
                     held[i], began[i] = r, now
         self._caches[(rows, length)] = s.cache
 
-    def _run_program(self, program, rows, bucket, length, *args, plan, max_new, sampling, logprobs):
+    def _run_program(self, program, rows, length, *args, plan, max_new, sampling, logprobs):
         """program(params, dparams, *args), compiled if need be: its result, and the clock when the
         call began."""
         args = (self.params, plan[1], *args)
-        fn = self._program(program, rows, bucket, length, args, max_new, sampling, plan, logprobs)
+        fn = self._program(program, rows, length, args, max_new, sampling, plan, logprobs)
         began = self.clock()
         return fn(*args), began
 
@@ -265,12 +265,12 @@ class Model:
         params and controller, or one made by hand, as the skip-set search does), its rounds priced
         by `costs` if given (jspec.engine.pricing): its records, with no checks (`stream` makes them)."""
         drafter, dparams, _ = plan
-        tokens, packing = self.pack(batch, rows)
-        length = memory.cache_length(packing.bucket, max_new, drafter.max_draft)
+        length = self.cache_length(batch, max_new, drafter.max_draft)
+        tokens, lens = self.prompt_rows(batch, rows, length)
         eos = self._eos()
-        args = (self.params, dparams, self._cache(rows, length), *self._place(tokens, packing), eos, key,
+        args = (self.params, dparams, self._cache(rows, length), self._rows(tokens), self._rows(lens), eos, key,
                 self._on_all(costs))
-        fn = self._program(loop.generate, rows, packing.bucket, length, args, max_new, sampling, plan, logprobs)
+        fn = self._program(loop.generate, rows, length, args, max_new, sampling, plan, logprobs)
         t0 = self.clock()
         out, stats, cache = fn(*args)
         out, stats = distributed.gather((out, stats))
@@ -287,18 +287,18 @@ class Model:
         """Seconds, less those spent compiling this model's programs: what records' `seconds` count."""
         return time.perf_counter() - self._programs.build_seconds
 
-    def pack(self, batch: Sequence[Request], rows: int) -> tuple[np.ndarray, Packing]:
-        """The batch's prompts packed for its prefill (`pack`), one packed row per data shard (one
-        in all when the rows do not split over them). A padding row (a batch short of `rows`)
-        repeats the first, shortest prompt, so it stops when that row stops rather than
-        prolonging the loop."""
-        prompts = [r.token_ids for r in batch] + [batch[0].token_ids] * (rows - len(batch))
-        shards = 1 if self.mesh is None else self.mesh.shape["data"]
-        return pack(prompts, shards if rows % shards == 0 else 1)
+    @staticmethod
+    def cache_length(batch: Sequence[Request], max_new: int, max_draft: int) -> int:
+        """The cache a batch needs: its longest prompt's bucket (jspec.batching.prompt_bucket), the
+        new tokens and a round's draft."""
+        return memory.cache_length(max(prompt_bucket(len(r.token_ids)) for r in batch), max_new, max_draft)
 
-    def _place(self, tokens, packing):
-        """A batch's packed tokens and Packing, split by rows over the mesh's data axis."""
-        return self._rows(tokens), jax.tree.map(self._rows, packing)
+    @staticmethod
+    def prompt_rows(batch: Sequence[Request], rows: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """The batch's prompts as a prefill takes them (`prompt_rows`): tokens [rows, length] and
+        lens [rows]. A padding row (a batch short of `rows`) repeats the first, shortest prompt, so
+        it stops when that row stops rather than prolonging the loop."""
+        return prompt_rows([r.token_ids for r in batch] + [batch[0].token_ids] * (rows - len(batch)), length)
 
     def _rows(self, x: np.ndarray) -> jax.Array:
         """Per-row host data [B, ...], split over the mesh's data axis."""
@@ -329,18 +329,18 @@ class Model:
         known = (rows, max_new, sampling, drafter, controller, logprobs)
         if known in self._costs:
             return self._costs[known]
-        tokens, packing = self.pack(requests[:rows], rows)
-        length = length or memory.cache_length(packing.bucket, max_new, drafter.max_draft)
+        length = length or self.cache_length(requests[:rows], max_new, drafter.max_draft)
+        tokens, lens = self.prompt_rows(requests[:rows], rows, length)
         run = functools.partial(self._run_program, plan=plan, max_new=max_new, sampling=sampling, logprobs=logprobs)
         eos, idle = self._eos(), np.zeros(rows, bool)
 
         def fill():
-            return run(slots.fill, rows, packing.bucket, length, self._cache(rows, length),
-                       *self._place(tokens, packing), self._rows(~idle), eos, jax.random.key(0))[0]
+            return run(slots.fill, rows, length, self._cache(rows, length), self._rows(tokens), self._rows(lens),
+                       self._rows(~idle), eos, jax.random.key(0))[0]
 
         def advance(s, costs, rounds):
             steps = int(s.steps)
-            (s, *_), _ = run(slots.advance, rows, None, length, s, eos, self._rows(idle), np.int32(rows + 1),
+            (s, *_), _ = run(slots.advance, rows, length, s, eos, self._rows(idle), np.int32(rows + 1),
                              self._on_all(costs), np.int32(steps + rounds))
             return s, int(s.steps) - steps
 
@@ -371,14 +371,14 @@ class Model:
         jspec.engine.programs.Signature, as many as this process keeps."""
         return self._programs.compiled()
 
-    def _program(self, program, rows, bucket, length, args, max_new, sampling, plan, logprobs):
+    def _program(self, program, rows, length, args, max_new, sampling, plan, logprobs):
         """`program` (loop.generate, or one of jspec.engine.slots') compiled for args (params, dparams,
         then its own), or the one kept from before."""
         drafter, dparams, controller = plan
         run = loop.Run(self.cfg, sampling, max_new, drafter, controller, logprobs, self.numerics, self.platform,
                        self.mesh)
         shapes = lambda tree: (jax.tree.structure(tree), tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(tree)))
-        sig = Signature(program.__name__, rows, bucket, length, run, shapes(dparams), shapes(args[2:]))
+        sig = Signature(program.__name__, rows, length, run, shapes(dparams), shapes(args[2:]))
 
         def build():
             several = self.mesh is not None and self.mesh.devices.size > 1

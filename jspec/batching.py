@@ -1,10 +1,9 @@
-"""Requests, and how they become batches: prompt buckets, packing end to end for the prefill,
-batches by length and their rows.
+"""Requests, and how they become batches: prompt buckets, batches by length and their rows.
 
 Prompts of similar length are batched together (`batch_size` rows per compiled call, a short
-last batch padded to a power of two: `batches`, `batch_rows`) and packed end to end for the
-prefill (`pack`), to length buckets, so a program is compiled once per (batch rows, prompt
-bucket, packed bucket, max_new_tokens, sampling, method) and never per prompt.
+last batch padded to a power of two: `batches`, `batch_rows`), in a cache as long as their
+bucket needs (`prompt_bucket`), so a program is compiled once per (batch rows, cache length,
+max_new_tokens, sampling, method) and never per prompt.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jspec.model.decoder import Packing
 
 MIN_PROMPT_BUCKET = 32
 PROMPT_STEP = 128
@@ -40,29 +38,13 @@ def prompt_bucket(n: int) -> int:
     return power * 3 // 4 if power > PROMPT_STEP and n <= power * 3 // 4 else power
 
 
-def pack(prompts: Sequence[Sequence[int]], packed_rows: int = 1) -> tuple[np.ndarray, Packing]:
-    """Lay B prompts end to end in packed_rows rows (which must divide B) for one prefill:
-    tokens [R, T] and their `Packing`, as NumPy. A packed row of m prompts is m times the bucket
-    of their mean length long, so it hardly ever exceeds what padding each to the longest would
-    cost, and as few shapes compile as with padding."""
-    b = len(prompts)
-    per_row = b // packed_rows
-    lens = np.asarray([len(p) for p in prompts], np.int32)
-    total = max(int(lens[r * per_row:(r + 1) * per_row].sum()) for r in range(packed_rows))
-    t = per_row * prompt_bucket(-(-total // per_row))
-    p = prompt_bucket(int(lens.max()))
-    tokens = np.zeros((packed_rows, t), np.int32)
-    segment = np.full((packed_rows, t), -1, np.int32)
-    positions = np.zeros((packed_rows, t), np.int32)
-    source = np.zeros((b, p), np.int32)
-    for row in range(b):
-        r = row // per_row
-        start = int(lens[r * per_row:row].sum())
-        tokens[r, start:start + lens[row]] = prompts[row]
-        segment[r, start:start + lens[row]] = row
-        positions[r, start:start + lens[row]] = np.arange(lens[row])
-        source[row] = start + np.minimum(np.arange(p), lens[row] - 1)
-    return tokens, Packing(segment, positions, source, lens)
+def prompt_rows(prompts: Sequence[Sequence[int]], length: int) -> tuple[np.ndarray, np.ndarray]:
+    """B prompts as a prefill takes them (jspec.engine.loop.Run.start): tokens [B, length], each
+    prompt from position 0 of its row and zeros after it, and their lengths [B], as NumPy."""
+    tokens = np.zeros((len(prompts), length), np.int32)
+    for row, prompt in enumerate(prompts):
+        tokens[row, :len(prompt)] = prompt
+    return tokens, np.asarray([len(p) for p in prompts], np.int32)
 
 
 def batches(requests: Sequence[Request], batch_size: int) -> list[list[Request]]:

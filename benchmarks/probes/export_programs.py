@@ -78,10 +78,10 @@ def export(model, method: str, platform: str, rows: int, max_new: int = 16) -> s
     plan = methods.build(method, model, **({"datastore": "off"} if method == "ngram" else {}))
     drafter, dparams, controller = plan
     batch = model.requests([[{"role": "user", "content": "Name three primes."}]] * rows)
-    tokens, packing = model.pack(batch, rows)
-    s = -(-(packing.bucket + max_new + drafter.max_draft + 1) // 64) * 64
+    s = model.cache_length(batch, max_new, drafter.max_draft)
+    tokens, lens = model.prompt_rows(batch, rows, s)
     eos = np.asarray(model.cfg.eos_token_ids or (-1,), np.int32)
-    args = jnp.asarray(tokens), jax.tree.map(jnp.asarray, packing), jnp.asarray(eos)
+    args = jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(eos)
     cache = decoder.KVCache.zeros(model.cfg, rows, s)
     # A GPU's program holds the Pallas attention kernel, a Triton call jax.export asks to be named.
     triton = [jax.export.DisabledSafetyCheck.custom_call(gpu_attention.TARGET)]

@@ -1,12 +1,9 @@
 """Compile time, time and peak memory of one long prompt on the default model (issue 74).
 
     for n in 1000 4000 7500; do python benchmarks/probes/long_prompt.py --tokens $n; done
-    python benchmarks/probes/long_prompt.py --tokens 4000 --spans 1000000   # block by block, unrolled
 
 One prompt per process, so that the peak resident memory (ru_maxrss) is this length's. The
-prompt is Spec-Bench's questions' tokens end to end, cut to --tokens. `--spans` overrides
-jspec.model.attention.PREFILL_SPANS (a number past the prompt's blocks is the unrolled
-prefill of before 2026-12-03). Prints one JSON line.
+prompt is Spec-Bench's questions' tokens end to end, cut to --tokens. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -24,7 +21,6 @@ sys.path.insert(0, str(ROOT))
 import jspec  # noqa: E402
 from jspec import prompt_sets  # noqa: E402
 from jspec.bench.specs import read_bench_prompts  # noqa: E402
-from jspec.model import attention  # noqa: E402
 
 
 def main() -> None:
@@ -32,9 +28,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, required=True)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--method", default="ar")
-    p.add_argument("--spans", type=int, default=attention.PREFILL_SPANS)
     args = p.parse_args()
-    attention.PREFILL_SPANS = args.spans
     model = jspec.load()
     ids = []
     for r in model.requests(read_bench_prompts(prompt_sets.resolve("spec_bench"))):
@@ -45,7 +39,7 @@ def main() -> None:
     t0 = time.perf_counter()
     [record] = model.generate(prompt, args.method, max_new_tokens=args.max_new_tokens)
     wall = time.perf_counter() - t0
-    print(json.dumps({"tokens": args.tokens, "method": args.method, "spans": args.spans,
+    print(json.dumps({"tokens": args.tokens, "method": args.method,
                       "compile_s": round(model.compiling[1], 2), "first_call_s": round(wall, 2),
                       "run_s": record["seconds"], "new_tokens": record["new_tokens"],
                       "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}))

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from jspec import methods
-from jspec.batching import batches
+from jspec.batching import batches, prompt_bucket
 from jspec.bench import hf as bench_hf, quality
 from jspec.bench.specs import MethodSpec
 from jspec.errors import JspecError
@@ -78,8 +78,8 @@ def run_jspec(model, spec: MethodSpec, options: dict, chunk: list, requests: lis
     `score` (lossy methods and ar beside them) scores each output under the full model, untimed."""
     [batch] = batches(requests, batch_size)
     rows = model.batch_rows(len(batch), batch_size)
-    tokens, packing = model.pack(batch, rows)
-    shape = (spec.label, rows, tokens.shape, packing.bucket)  # the program `run` compiles
+    # The program `run` compiles: its cache's length follows the longest prompt's bucket.
+    shape = (spec.label, rows, max(prompt_bucket(len(r.token_ids)) for r in batch))
     run = lambda: list(model.stream(requests, spec.name, max_new_tokens=args.max_new_tokens,  # noqa: E731
                                     batch_size=batch_size, batching="static", **options))
     if shape not in warmed:  # compile (before the clock) and run once untimed

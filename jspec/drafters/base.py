@@ -4,7 +4,9 @@ A drafter is a static, hashable config (`max_draft` = K and its own options); it
 any, travel separately as `dparams`, and its state between rounds as `dstate` (a pytree of its own
 type). It implements
 
-    prefill(params, dparams, cfg, tokens, packing, cache) -> (h_last [B, D], cache, dstate)
+    begin(params, dparams, cfg, rows, cache) -> dstate before any prompt token
+    prefill(params, dparams, cfg, tokens [B, C], positions [B, C], lens [B], cache, dstate)
+        -> (h [B, C, D], cache, dstate): one chunk of the prompts (jspec.engine.loop.Run.start)
     draft(params, dparams, cfg, state: LoopState, controller, sampling, key) -> Draft
     verify(params, dparams, cfg, tokens [B, K+1], positions [B, K+1], cache, dstate) -> (h, cache)
 
@@ -41,13 +43,6 @@ from jspec.model import decoder
 from jspec.model.config import ModelConfig
 
 
-def target_prefill(params, cfg, tokens, packing: decoder.Packing, cache):
-    """Run the packed prompts tokens [R, T] through the target; the hidden state at each row's
-    last prompt token [B, D]."""
-    h, cache = decoder.forward(params, cfg, tokens, packing, cache)
-    return packing.last(h), cache
-
-
 class Drafter:
     """The hooks every drafter has; each subclass is a frozen dataclass (a static jit argument)."""
 
@@ -57,9 +52,19 @@ class Drafter:
     # next_token); None is the target's lossless rule (greedy match, or rejection sampling).
     accept = None
 
-    def prefill(self, params, dparams, cfg, tokens, packing, cache):
-        h, cache = target_prefill(params, cfg, tokens, packing, cache)
-        return h, cache, ()
+    def begin(self, params, dparams, cfg, rows: int, cache):
+        """The state of `rows` rows before their prompts: the drafter's own caches empty, as long
+        as the target's `cache`. None by default."""
+        return ()
+
+    def prefill(self, params, dparams, cfg, tokens, positions, lens, cache, dstate):
+        """A chunk of the prompts through the target and into the drafter's state: tokens [B, C] at
+        positions [B, C] (consecutive, from a multiple of C), of which those at lens [B] and on are
+        padding. Padding writes cache entries at positions a row's decoding writes again before
+        anything reads them, and must leave what else the state holds as it was. Returns the
+        target's last-layer states [B, C, D] (pre-norm), the cache and the state."""
+        h, cache = decoder.forward(params, cfg, tokens, positions, cache)
+        return h, cache, dstate
 
     def verify(self, params, dparams, cfg, tokens, positions, cache, dstate, width):
         """The target's states [B, W, D] for the fed tokens [B, W] (the newest committed token, then
@@ -177,9 +182,12 @@ class Wrapper(Drafter):
         """This wrapper's params around the inner drafter's."""
         return Wrapped(inner_params, own)
 
-    def prefill(self, params, dparams, cfg, tokens, packing, cache):
-        h, cache, dstate = self.inner.prefill(params, dparams.inner, cfg, tokens, packing, cache)
-        return h, cache, Wrapped(dstate)
+    def begin(self, params, dparams, cfg, rows, cache):
+        return Wrapped(self.inner.begin(params, dparams.inner, cfg, rows, cache))
+
+    def prefill(self, params, dparams, cfg, tokens, positions, lens, cache, dstate):
+        h, cache, inner = self.inner.prefill(params, dparams.inner, cfg, tokens, positions, lens, cache, dstate.inner)
+        return h, cache, dataclasses.replace(dstate, inner=inner)
 
     def verify(self, params, dparams, cfg, tokens, positions, cache, dstate, width):
         return self.inner.verify(params, dparams.inner, cfg, tokens, positions, cache, dstate.inner, width)

@@ -10,7 +10,7 @@ import dataclasses
 
 import jax
 
-from jspec.drafters.base import Drafter, Stack, draft_loop, newest, target_prefill
+from jspec.drafters.base import Drafter, Stack, draft_loop, newest
 from jspec.engine.state import Draft
 from jspec.model import decoder
 from jspec.model.config import ModelConfig
@@ -27,10 +27,12 @@ class DraftModel(Drafter):
     draft_cfg: ModelConfig
     max_draft: int = 8
 
-    def prefill(self, params, dparams, cfg, tokens, packing, cache):
-        h, cache = target_prefill(params, cfg, tokens, packing, cache)
-        dcache = decoder.KVCache.zeros(self.draft_cfg, packing.lens.shape[0], cache.length, cache.dtype)
-        _, dcache = target_prefill(dparams, self.draft_cfg, tokens, packing, dcache)
+    def begin(self, params, dparams, cfg, rows, cache):
+        return DraftModelState(decoder.KVCache.zeros(self.draft_cfg, rows, cache.length, cache.dtype))
+
+    def prefill(self, params, dparams, cfg, tokens, positions, lens, cache, dstate):
+        h, cache = decoder.forward(params, cfg, tokens, positions, cache)
+        _, dcache = decoder.forward(dparams, self.draft_cfg, tokens, positions, dstate.cache)
         return h, cache, DraftModelState(dcache)
 
     def draft(self, params, dparams, cfg, s, controller, sampling, key):

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from jspec.drafters.base import Drafter, Feedback, Stack, draft_candidates, draft_loop
 from jspec.engine.state import Draft
-from jspec.model import decoder
+from jspec.model import decoder, numerics
 from jspec.parts import heads
 
 
@@ -41,15 +41,24 @@ class Eagle(Drafter):
     max_draft: int = 1
     candidates: int = 0
 
-    def prefill(self, params, dparams, cfg, tokens, packing, cache):
-        h, cache = decoder.forward(params, cfg, tokens, packing, cache)  # [R, T, D]
+    def begin(self, params, dparams, cfg, rows, cache):
+        prev = jnp.zeros((rows, cfg.hidden_size), numerics.activation_dtype())
+        return EagleState(heads.empty_kv(cfg, dparams, rows, cache.length), prev)
+
+    def prefill(self, params, dparams, cfg, tokens, positions, lens, cache, dstate):
+        h, cache = decoder.forward(params, cfg, tokens, positions, cache)
         f = heads.final_state(params, cfg, h)
-        # Each token's previous state: packed prompts lie end to end, so it is the one before it in
-        # the packed row, except at a prompt's first token (none: zeros, as in training).
-        prev = jnp.where((packing.positions > 0)[..., None], jnp.roll(f, 1, axis=1), 0.0)
-        x = heads.fuse_input(params, dparams, tokens, prev)
-        _, kv = heads.block(cfg, dparams, x, packing, heads.empty_kv(cfg, dparams, packing.lens.shape[0], cache.length))
-        return packing.last(h), cache, EagleState(kv, packing.last(f))
+        kv = self._head_entries(params, dparams, cfg, dstate, tokens, positions, f)
+        return h, cache, EagleState(kv, decoder.prompt_last(f, positions, lens, dstate.prev))
+
+    def _head_entries(self, params, dparams, cfg, dstate, tokens, positions, f):
+        """The head's cache with the entries of tokens [B, T] at positions [B, T] written, from the
+        target's final-normed states f [B, T, D] there. Each token's previous state is the one
+        before it, dstate.prev for the first, and none at a prompt's first token (zeros, as in
+        training)."""
+        prev = jnp.concatenate([dstate.prev[:, None].astype(f.dtype), f[:, :-1]], axis=1)
+        prev = jnp.where((positions > 0)[..., None], prev, 0.0)
+        return heads.block(cfg, dparams, heads.fuse_input(params, dparams, tokens, prev), positions, dstate.head)[1]
 
     def draft(self, params, dparams, cfg, s, controller, sampling, key):
         def step(carry, j, x, positions):
@@ -67,8 +76,7 @@ class Eagle(Drafter):
 
     def accepted(self, params, dparams, cfg, dstate, fed, positions, h, n_acc):
         f = heads.final_state(params, cfg, h)  # [B, W, D]; zeros past the verified width
-        prev = jnp.concatenate([dstate.prev[:, None].astype(f.dtype), f[:, :-1]], axis=1)
-        _, kv = heads.block(cfg, dparams, heads.fuse_input(params, dparams, fed, prev), positions, dstate.head)
+        kv = self._head_entries(params, dparams, cfg, dstate, fed, positions, f)
         rows = jnp.arange(fed.shape[0])
         return EagleState(kv, f[rows, n_acc])
 

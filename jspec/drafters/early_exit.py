@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from jspec.drafters.base import Drafter, Stack, draft_candidates, draft_loop, newest
 from jspec.engine.state import Draft
-from jspec.model import decoder
+from jspec.model import decoder, numerics
 
 
 @jax.tree_util.register_dataclass
@@ -48,12 +48,14 @@ class EarlyExit(Drafter):
     def _deep(self, cfg):
         return range(self.exit_layer, cfg.num_layers)
 
-    def prefill(self, params, dparams, cfg, tokens, packing, cache):
-        h, cache = decoder.run_layers(params, cfg, decoder.embed(params, tokens), packing, cache, self.shallow)
-        hidden = jnp.zeros((packing.lens.shape[0], self.max_draft + 1, cfg.hidden_size), h.dtype)
-        head = None if self.head is None else self.head.prefill(dparams, cfg, h, packing, cache.length)
-        h, cache = decoder.run_layers(params, cfg, h, packing, cache, self._deep(cfg))
-        return packing.last(h), cache, EarlyExitState(hidden, head)
+    def begin(self, params, dparams, cfg, rows, cache):
+        hidden = jnp.zeros((rows, self.max_draft + 1, cfg.hidden_size), numerics.activation_dtype())
+        return EarlyExitState(hidden, None if self.head is None else self.head.empty(dparams, cfg, rows, cache.length))
+
+    def prefill(self, params, dparams, cfg, tokens, positions, lens, cache, dstate):
+        h, cache, dstate = self._enter(params, dparams, cfg, cache, dstate, tokens, positions)
+        h, cache = decoder.run_layers(params, cfg, h, positions, cache, self._deep(cfg))
+        return h, cache, dstate
 
     def _draft_logits(self, params, dparams, cfg, h, positions, dstate):
         if self.head is None:

@@ -1,7 +1,7 @@
 """KNN-SSD: layer skipping with a skip set per domain, picked per prompt by nearest neighbour.
 
 At prefill each row's feature (the mean over its prompt tokens of the final-normed last hidden
-state, which the prefill computes anyway) is compared by cosine with the anchors (k-means
+state, which the prefill computes anyway, summed chunk by chunk) is compared by cosine with the anchors (k-means
 centres of each domain's prompts); the nearest anchor's domain gives the row its sublayer skip
 set. The sets, the anchors and the anchor -> domain map travel in `dparams` as data, so a
 prompt never recompiles anything. Drafting runs the target with those sublayers skipped
@@ -23,9 +23,14 @@ from jspec.model import decoder
 def prompt_feature(params, cfg, h, prompt_lens):
     """h [B, P, D] (pre-norm, right-padded), prompt_lens [B] -> [B, D]: the mean over each row's
     prompt tokens of the final-normed hidden state."""
+    inside = jnp.arange(h.shape[1])[None, :] < prompt_lens[:, None]
+    return feature_sum(params, cfg, h, inside) / prompt_lens[:, None].astype(jnp.float32)
+
+
+def feature_sum(params, cfg, h, inside):
+    """The sum over the positions `inside` [B, T] of h [B, T, D]'s final-normed states, float32 [B, D]."""
     normed = decoder.rms_norm(h, params["final_norm"], cfg.rms_norm_eps).astype(jnp.float32)
-    inside = (jnp.arange(h.shape[1])[None, :] < prompt_lens[:, None])[..., None]
-    return jnp.sum(jnp.where(inside, normed, 0.0), axis=1) / prompt_lens[:, None].astype(jnp.float32)
+    return jnp.sum(jnp.where(inside[..., None], normed, 0.0), axis=1)
 
 
 def nearest_anchor(features, anchors):
@@ -39,6 +44,7 @@ def nearest_anchor(features, anchors):
 class KnnState:
     skip: jax.Array  # [B, 2, L] bool: each row's domain's skip set, attention then MLP
     domain: jax.Array  # [B] int32: the domain each row's prompt was matched to
+    feature: jax.Array  # [B, D] float32: the sum of prompt_feature's states over the prompt so far
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,11 +55,17 @@ class KnnSsd(Drafter):
     max_draft: int = 12
     domains: tuple[str, ...] = ()
 
-    def prefill(self, params, dparams, cfg, tokens, packing, cache):
-        h, cache = decoder.forward(params, cfg, tokens, packing, cache)
-        anchor = nearest_anchor(prompt_feature(params, cfg, packing.unpack(h), packing.lens), dparams["anchors"])
+    def begin(self, params, dparams, cfg, rows, cache):
+        domain = jnp.zeros((rows,), jnp.int32)
+        return KnnState(dparams["skip"][domain], domain, jnp.zeros((rows, cfg.hidden_size), jnp.float32))
+
+    def prefill(self, params, dparams, cfg, tokens, positions, lens, cache, dstate):
+        h, cache = decoder.forward(params, cfg, tokens, positions, cache)
+        total = dstate.feature + feature_sum(params, cfg, h, positions < lens[:, None])
+        # Matched again after every chunk: the last chunk of a row's prompt decides.
+        anchor = nearest_anchor(total / lens[:, None].astype(jnp.float32), dparams["anchors"])
         domain = dparams["anchor_domain"][anchor]
-        return packing.last(h), cache, KnnState(dparams["skip"][domain], domain)
+        return h, cache, KnnState(dparams["skip"][domain], domain, total)
 
     def draft(self, params, dparams, cfg, s, controller, sampling, key):
         skip = s.dstate.skip

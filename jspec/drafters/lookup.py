@@ -41,9 +41,9 @@ class Lookup(Wrapper):
     min_ngram: int = 2
     max_ngram: int = MAX_NGRAM
 
-    def prefill(self, params, dparams, cfg, tokens, packing, cache):
-        h, cache, dstate = self.inner.prefill(params, dparams.inner, cfg, tokens, packing, cache)
-        return h, cache, Wrapped(self.inner.room(dstate, self.max_draft), jnp.zeros(packing.lens.shape, jnp.int32))
+    def begin(self, params, dparams, cfg, rows, cache):
+        inner = self.inner.begin(params, dparams.inner, cfg, rows, cache)
+        return Wrapped(self.inner.room(inner, self.max_draft), jnp.zeros((rows,), jnp.int32))
 
     def draft(self, params, dparams, cfg, s, controller, sampling, key):
         k, live = self.max_draft, ~s.done

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jspec.drafters.base import Drafter, only_if
 from jspec.engine.sampling import argmax
 from jspec.engine.state import Draft
-from jspec.model import decoder, weights
+from jspec.model import decoder, numerics, weights
 from jspec.parts import heads, predictors
 
 RECENT = 5  # exit depths remembered per row for the online schedule
@@ -84,19 +84,23 @@ class SpecEE(Drafter):
     kv: str = "fill"  # or "mask": skipped layers write nothing, later tokens attend only to what exists
     copies: bool = False  # behind prompt lookup: a round that copied verifies at full depth
 
-    def prefill(self, params, dparams, cfg, tokens, packing, cache):
-        b, n = packing.lens.shape[0], self.exit_layer
-        h, cache = decoder.run_layers(params, cfg, decoder.embed(params, tokens), packing, cache, range(n))
-        head_kv = heads.Head().prefill(dparams.head, cfg, h, packing, cache.length)
-        h, cache = decoder.run_layers(params, cfg, h, packing, cache, range(n, cfg.num_layers))
+    def begin(self, params, dparams, cfg, rows, cache):
+        b, n = rows, self.exit_layer
         # Positions past a row's are masked anyway: every entry of "mask"'s map starts as present.
         valid = jnp.ones((b, cfg.num_layers - n, cache.length), bool) if self.kv == "mask" else None
-        dstate = SpecEEState(head=head_kv, hidden=jnp.zeros((b, 1, cfg.hidden_size), h.dtype),
-                             token=jnp.zeros((b,), jnp.int32), exited=jnp.zeros((b,), bool),
-                             recent=jnp.full((b, RECENT), -100, jnp.int32),
-                             exits=jnp.zeros((b, cfg.num_layers + 1), jnp.int32), valid=valid,
-                             fed=jnp.zeros((), bool) if self.copies else None)
-        return packing.last(h), cache, dstate
+        return SpecEEState(head=heads.Head().empty(dparams.head, cfg, b, cache.length),
+                           hidden=jnp.zeros((b, 1, cfg.hidden_size), numerics.activation_dtype()),
+                           token=jnp.zeros((b,), jnp.int32), exited=jnp.zeros((b,), bool),
+                           recent=jnp.full((b, RECENT), -100, jnp.int32),
+                           exits=jnp.zeros((b, cfg.num_layers + 1), jnp.int32), valid=valid,
+                           fed=jnp.zeros((), bool) if self.copies else None)
+
+    def prefill(self, params, dparams, cfg, tokens, positions, lens, cache, dstate):
+        n = self.exit_layer
+        h, cache = decoder.run_layers(params, cfg, decoder.embed(params, tokens), positions, cache, range(n))
+        head_kv = heads.Head().advance(dparams.head, cfg, h, positions, dstate.head)
+        h, cache = decoder.run_layers(params, cfg, h, positions, cache, range(n, cfg.num_layers))
+        return h, cache, dataclasses.replace(dstate, head=head_kv)
 
     def draft(self, params, dparams, cfg, s, controller, sampling, key):
         b, n, depth_count = s.last.shape[0], self.exit_layer, cfg.num_layers

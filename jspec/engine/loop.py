@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -29,9 +30,40 @@ from jspec.engine import acceptance, pricing
 from jspec.engine.sampling import Sampling, next_token
 from jspec.engine.state import LoopState
 from jspec.engine.width import verify_widths, width_index
-from jspec.model import decoder, sharding
+from jspec.model import decoder, numerics, sharding
 from jspec.model.config import ModelConfig
 from jspec.model.numerics import Numerics, tracing
+
+
+# Positions a chunk of a prefill holds: on a CPU what the native attention kernel takes (it reads
+# only the filled part of the cache), on an accelerator enough rows to keep its matrix units busy.
+PREFILL_CHUNK = {"cpu": 32}
+ACCELERATOR_CHUNK = 256
+
+
+def prefill_chunk(platform: str, length: int) -> int:
+    """The chunk of a prefill into a cache of `length` positions: the platform's, or the largest
+    power of two below it that divides `length` (chunks tile the cache)."""
+    return math.gcd(PREFILL_CHUNK.get(platform, ACCELERATOR_CHUNK), length)
+
+
+def prefill(drafter, params, dparams, cfg: ModelConfig, tokens, lens, cache: decoder.KVCache, chunk: int):
+    """Prompts tokens [B, S] (row b's the first lens[b]) through `drafter`'s prefill, `chunk`
+    positions a time (a divisor of S), in a loop as long as the longest prompt needs: the target's
+    last-layer state at each prompt's last token [B, D], the cache and the drafter's state."""
+    b = tokens.shape[0]
+
+    def step(carry):
+        i, cache, dstate, h_last = carry
+        positions = jnp.broadcast_to(i * chunk + jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
+        h, cache, dstate = drafter.prefill(params, dparams, cfg, jax.lax.dynamic_slice_in_dim(tokens, i * chunk, chunk, 1),
+                                           positions, lens, cache, dstate)
+        return i + 1, cache, dstate, decoder.prompt_last(h, positions, lens, h_last)
+
+    h_last = jnp.zeros((b, cfg.hidden_size), numerics.activation_dtype())
+    carry = (jnp.zeros((), jnp.int32), cache, drafter.begin(params, dparams, cfg, b, cache), h_last)
+    _, cache, dstate, h_last = jax.lax.while_loop(lambda carry: carry[0] * chunk < jnp.max(lens), step, carry)
+    return h_last, cache, dstate
 
 
 def top_logprobs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -92,16 +124,20 @@ class Run:
         """The context a program of this Run is traced in (jspec.model.numerics.tracing)."""
         return tracing(self.numerics, self.platform, self.mesh)
 
-    def start(self, params, dparams, cache, tokens, packing, eos_ids, key) -> LoopState:
-        """Prefill B prompts into `cache` (B rows) and emit each one's first token."""
-        drafter, max_new_tokens, logprobs = self.drafter, self.max_new_tokens, self.logprobs
-        prompt_lens = packing.lens
-        b, p, k = prompt_lens.shape[0], packing.bucket, drafter.max_draft
-        prompts = jnp.where(jnp.arange(p)[None, :] < prompt_lens[:, None], packing.unpack(tokens), 0)
-        seq = jnp.zeros((b, cache.length), jnp.int32).at[:, :p].set(prompts)
-        h, cache, dstate = drafter.prefill(params, dparams, self.cfg, tokens, packing, cache)
+    def start(self, params, dparams, cache, tokens, lens, eos_ids, key) -> LoopState:
+        """Prefill B prompts into `cache` (B rows of S positions) and emit each one's first token:
+        row b's prompt is tokens[b, :lens[b]] of tokens [B, S] (past it: anything).
+
+        The prompts go through the model a chunk of positions at a time, every row the same chunk,
+        in a loop as long as the longest prompt needs: the program is the same for every prompt
+        length (docs/design.md, "Chunked prefill")."""
+        drafter, cfg, max_new_tokens, logprobs = self.drafter, self.cfg, self.max_new_tokens, self.logprobs
+        (b, length), k = tokens.shape, drafter.max_draft
+        seq = jnp.where(jnp.arange(length)[None, :] < lens[:, None], tokens, 0)
+        h, cache, dstate = prefill(drafter, params, dparams, cfg, seq, lens, cache,
+                                   prefill_chunk(self.platform, length))
         key, sub = jax.random.split(key)
-        first_logits = decoder.logits(params, self.cfg, h)
+        first_logits = decoder.logits(params, cfg, h)
         first = next_token(first_logits, self.sampling, sub)
         zeros = jnp.zeros((b,), jnp.int32)
         top = None
@@ -110,11 +146,11 @@ class Run:
                         for x in top_logprobs(first_logits, logprobs))
         # "finite": whether each row's first logits were all finite numbers (NaN weights decode one
         # token over and over, without a word otherwise).
-        return LoopState(cache=cache, seq=seq.at[jnp.arange(b), prompt_lens].set(first), last=first,
-                         length=prompt_lens, n=jnp.ones((b,), jnp.int32),
+        return LoopState(cache=cache, seq=seq.at[jnp.arange(b), lens].set(first), last=first,
+                         length=lens, n=jnp.ones((b,), jnp.int32),
                          done=jnp.isin(first, eos_ids) | (max_new_tokens == 1), key=key,
                          rounds=jnp.ones((b,), jnp.int32), drafted=zeros, accepted=zeros, dstate=dstate,
-                         cstate=self.controller.init(b, k), prompt=prompt_lens,
+                         cstate=self.controller.init(b, k), prompt=lens,
                          finite=jnp.isfinite(first_logits).all(axis=-1), steps=jnp.zeros((), jnp.int32),
                          budget=jnp.asarray(k, jnp.int32), top=top)
 
@@ -187,13 +223,12 @@ class Run:
 
 
 @functools.partial(jax.jit, static_argnames=("run",), donate_argnames=("cache",))
-def generate(params, dparams, cache: decoder.KVCache, tokens, packing: decoder.Packing, eos_ids, key, costs, *,
-             run: Run):
-    """tokens [R, T]: B prompts packed as `packing` says (jspec.batching.pack); eos_ids [E]; costs
-    [K+1] prices the rounds (jspec.engine.pricing), or None.
+def generate(params, dparams, cache: decoder.KVCache, tokens, lens, eos_ids, key, costs, *, run: Run):
+    """tokens [B, S] and lens [B]: B prompts, row b's the first lens[b] tokens of tokens[b] (S: the
+    cache's length); eos_ids [E]; costs [K+1] prices the rounds (jspec.engine.pricing), or None.
 
     Returns (out [B, max_new_tokens] with -1 past each row's end, stats dict of [B] arrays, cache).
-    The cache needs P + max_new_tokens + K + 1 positions, P = packing.bucket. With `run.logprobs` =
+    The cache needs the longest prompt + max_new_tokens + K + 1 positions. With `run.logprobs` =
     k > 0 stats also hold "top_ids" and "top_logprobs" [B, max_new_tokens, k]: the target's k most
     likely next tokens behind each generated token, from the logits the round verified with (what a
     teacher-forced forward over prompt + output would give, without running one). `run.platform`,
@@ -204,7 +239,7 @@ def generate(params, dparams, cache: decoder.KVCache, tokens, packing: decoder.P
     (donated) as that batch's program expects.
     """
     with run.tracing():
-        s = run.start(params, dparams, cache, tokens, packing, eos_ids, key)
+        s = run.start(params, dparams, cache, tokens, lens, eos_ids, key)
         s = jax.lax.while_loop(lambda s: ~jnp.all(s.done), functools.partial(run.round, params, dparams, eos_ids, costs),
                                s)
         return (*run.finish(s), sharding.pin_cache(s.cache, run.mesh))

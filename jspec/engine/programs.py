@@ -4,7 +4,7 @@ A compiled program holds its machine code until JAX lets go of it, and JAX's own
 keep every program a process compiled (up to thousands) for as long as the process lives, whether
 or not anything still calls it. On XLA:CPU each jspec program also maps 200-600 regions of
 memory, and Linux gives a process 65530 (`vm.max_map_count`): about 150 programs, say a benchmark
-over every method and prompt bucket, and the next compile dies with a segmentation fault. So
+over every method and cache length, and the next compile dies with a segmentation fault. So
 jspec keeps at most `LIMIT` programs alive across every Model of the process. Past it, the least
 recently run are dropped, down to `KEEP`, and JAX's caches are cleared (`jax.clear_caches`: JAX
 frees nothing else), so their memory goes. A dropped program is compiled again if it is needed
@@ -33,7 +33,6 @@ class Signature(NamedTuple):
 
     program: str  # loop.generate, or one of jspec.engine.slots' programs, by name
     rows: int
-    bucket: int | None  # the prompt bucket (None for slots.advance, which prefills nothing)
     length: int  # the cache's
     run: object  # jspec.engine.loop.Run: the static half
     dparams: tuple  # the drafter's parameters' tree structure, shapes and dtypes

@@ -27,9 +27,9 @@ list entries, so it costs nothing either.
 Every forward reads and writes a preallocated `KVCache` at per-row positions: row b's T new
 tokens sit at positions[b] (contiguous), and a query at position p sees cache entries 0..p.
 Entries beyond a row's position are stale (padding, rejected drafts) and are never attended to,
-which is what makes speculative rollback free. A prefill instead takes a `Packing`: the batch's
-prompts end to end in a few rows, so a batch of uneven prompts costs its tokens rather than its
-rows times its longest prompt; each prompt's keys and values land at 0.. of its own cache row.
+which is what makes speculative rollback free. A prompt goes in the same way, a chunk of
+positions at a time (jspec.engine.loop.Run.start); whole texts from position 0 (positions None:
+training, scoring) attend in blocks instead (attention.prefill_attention).
 
 Because the LM head is [V, D] like the rest, a tied model uses its embedding and holds no second
 copy (28M parameters, a fifth of SmolLM2-135M).
@@ -87,59 +87,10 @@ def rope(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.cos(angles), jnp.sin(angles)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class Packing:
-    """Where a prefill's tokens are: the prompts of B rows packed end to end into R packed rows of
-    T tokens (R divides B; packed row r holds batch rows r*B/R .. (r+1)*B/R - 1, so a data-sharded
-    batch packs within each shard). Built on the host by `jspec.batching.pack`.
-
-    The projections and MLPs, nearly all of a prefill's work, run on the packed rows; attention
-    runs on the prompts unpacked to [B, P] (P: the longest prompt's bucket), each from position 0
-    of its own row, which is also where its keys and values go in the cache."""
-
-    segment: jax.Array  # [R, T] int32: the batch row of each token, -1 for padding
-    positions: jax.Array  # [R, T] int32: each token's position in its prompt
-    source: jax.Array  # [B, P] int32: where in its packed row row b's p-th token is
-    lens: jax.Array  # [B] int32: prompt lengths
-
-    @property
-    def bucket(self) -> int:
-        """P: the prompts' bucket, the cache prefix a prefill writes."""
-        return self.source.shape[1]
-
-    def unpack(self, x: jax.Array) -> jax.Array:
-        """x [R, T, ...] -> [B, P, ...], row b's prompt from position 0 (past its end: filler)."""
-        r, (b, p) = x.shape[0], self.source.shape
-        return _take_per_row(x, self.source.reshape(r, b // r * p)).reshape(b, p, *x.shape[2:])
-
-    def pack(self, x: jax.Array) -> jax.Array:
-        """unpack's inverse: x [B, P, ...] -> [R, T, ...] (padding tokens: filler)."""
-        r, (b, p) = self.segment.shape[0], self.source.shape
-        local = self.segment - (jnp.arange(r, dtype=jnp.int32) * (b // r))[:, None]
-        idx = jnp.where(self.segment >= 0, local * p + self.positions, 0)
-        return _take_per_row(x.reshape(r, b // r * p, *x.shape[2:]), idx)
-
-    def last(self, x: jax.Array) -> jax.Array:
-        """x [R, T, ...] -> [B, ...] at each row's last prompt token."""
-        r, b = x.shape[0], self.lens.shape[0]
-        idx = jnp.take_along_axis(self.source, (self.lens - 1)[:, None], axis=1).reshape(r, b // r)
-        return _take_per_row(x, idx).reshape(b, *x.shape[2:])
-
-
-def _take_per_row(x: jax.Array, idx: jax.Array) -> jax.Array:
-    """x [R, N, ...] at idx [R, M] -> [R, M, ...]: a gather within each packed row, so a
-    data-sharded batch gathers within its shard."""
-    return jax.vmap(lambda xr, i: xr[i])(x, idx)
-
-
-def rope_at(cfg: ModelConfig, h: jax.Array, positions: jax.Array | Packing | None) -> tuple[jax.Array, jax.Array]:
-    """rope() for h [B, T, ...] at positions [B, T], a prefill's packed positions, or 0..T-1 in
-    every row when None."""
+def rope_at(cfg: ModelConfig, h: jax.Array, positions: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """rope() for h [B, T, ...] at positions [B, T], or 0..T-1 in every row when None."""
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(h.shape[1], dtype=jnp.int32), h.shape[:2])
-    elif isinstance(positions, Packing):
-        positions = positions.positions
     return rope(cfg, positions)
 
 
@@ -191,18 +142,14 @@ def attend(lp: Mapping[str, jax.Array], h: jax.Array, q: jax.Array, k_cache: jax
 
 
 def attention_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array,
-                    positions: jax.Array | Packing | None, cos: jax.Array, sin: jax.Array, k_cache: jax.Array,
+                    positions: jax.Array | None, cos: jax.Array, sin: jax.Array, k_cache: jax.Array,
                     v_cache: jax.Array, valid: jax.Array | None = None, siblings: bool = False):
     """The attention half of a decoder block, residual included: h [B, T, D] -> h, k_cache, v_cache.
-    A Packing is a prefill of h [R, T, D] packed rows; None a prefill of one prompt per row.
+    Positions None: h is whole texts, from position 0 of each row (training, scoring).
     `siblings`: the T tokens may be alternatives, at the same position (block_attention)."""
     q, k, v = qkv(cfg, lp, h, cos, sin)
-    if positions is None or isinstance(positions, Packing):
-        # Projections run packed; attention runs per prompt, from each row's position 0.
-        rows = (lambda x: x) if positions is None else positions.unpack
-        k, v = rows(k), rows(v)
-        out = prefill_attention(rows(q), k, v)
-        out = out if positions is None else positions.pack(out)
+    if positions is None:
+        out = prefill_attention(q, k, v)
         k_cache, v_cache = write_kv(k_cache, v_cache, k, v, jnp.zeros(k_cache.shape[:1], jnp.int32))
         return h + linear(out.reshape(*out.shape[:2], -1), lp["wo"]), k_cache, v_cache
     k_cache, v_cache = write_kv(k_cache, v_cache, k, v, positions[:, 0])
@@ -218,7 +165,7 @@ def mlp_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array) -> ja
     return h + linear(jax.nn.silu(gate) * up, lp["w_down"])
 
 
-def decoder_layer(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array, positions: jax.Array | Packing | None,
+def decoder_layer(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array, positions: jax.Array | None,
                   cos: jax.Array, sin: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                   valid: jax.Array | None = None, width: "Width | None" = None, siblings: bool = False):
     """One pre-norm decoder block. h [B, T, D]; k_cache, v_cache [B, S, K, H] of this layer. With
@@ -270,10 +217,10 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
     return table[tokens].astype(numerics.activation_dtype())
 
 
-def run_layers(params: Params, cfg: ModelConfig, h: jax.Array, positions: jax.Array | Packing | None, cache: KVCache,
+def run_layers(params: Params, cfg: ModelConfig, h: jax.Array, positions: jax.Array | None, cache: KVCache,
                layers: Sequence[int] | None = None, width: Width | None = None, siblings: bool = False):
     """Run the given layers (default: all, in order) on hidden states h [B, T, D] at positions
-    [B, T], or a prefill (a Packing, or None: one prompt per row). Layers not listed neither change
+    [B, T] (None: whole texts, as in attention_block). Layers not listed neither change
     h nor write the cache: a contiguous range is an early exit, a range with holes is layer
     skipping. A `width` computes only leading positions (decoder_layer); `siblings` lets the T
     tokens be alternatives (attention_block). Returns the new h and cache."""
@@ -365,8 +312,18 @@ def logits(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
     return linear(rms_norm(h, params["final_norm"], cfg.rms_norm_eps), head_weight(params), jnp.float32)
 
 
-def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array | Packing | None,
+def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array | None,
             cache: KVCache, width: Width | None = None, siblings: bool = False):
-    """The whole model: tokens [B, T] at positions [B, T] (or a prefill, as in run_layers) ->
+    """The whole model: tokens [B, T] at positions [B, T] (or None, as in run_layers) ->
     hidden [B, T, D] (pre-norm), cache."""
     return run_layers(params, cfg, embed(params, tokens), positions, cache, width=width, siblings=siblings)
+
+
+def prompt_last(x: jax.Array, positions: jax.Array, lens: jax.Array, before: jax.Array) -> jax.Array:
+    """What a chunk of prompts leaves of x [B, C, ...] (computed at positions [B, C], consecutive;
+    prompt lengths lens [B]): each row's value at its prompt's last token if the chunk holds it,
+    at the chunk's last if the prompt goes on past it, and `before` [B, ...] (what the chunks
+    before left) if the prompt ended earlier."""
+    at = jnp.minimum(lens - 1 - positions[:, 0], x.shape[1] - 1)
+    taken = jnp.take_along_axis(x, jnp.maximum(at, 0).reshape(-1, *[1] * (x.ndim - 1)), axis=1)[:, 0]
+    return jnp.where((at >= 0).reshape(-1, *[1] * (x.ndim - 2)), taken, before.astype(x.dtype))

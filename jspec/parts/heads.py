@@ -118,7 +118,7 @@ def final_state(params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
     return decoder.rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
 
 
-def block(cfg: ModelConfig, hp: dict, h: jax.Array, positions: jax.Array | decoder.Packing | None,
+def block(cfg: ModelConfig, hp: dict, h: jax.Array, positions: jax.Array | None,
           kv: decoder.KVCache, siblings: bool = False):
     """The head's layers on h [B, T, D] (layer-N states) -> (normed features [B, T, D], kv);
     `siblings` as in decoder.attention_block."""
@@ -164,10 +164,9 @@ class Head:
     """The `head` hook of the early-exit drafter (jspec.drafters.early_exit), over `dparams` made
     by `draft_params`."""
 
-    def prefill(self, dparams, cfg, h, packing: decoder.Packing, cache_len):
-        """The head's cache over the prompts, from the packed layer-N states h [R, T, D]."""
-        _, kv = block(cfg, dparams, h, packing, empty_kv(cfg, dparams, packing.lens.shape[0], cache_len))
-        return kv
+    def empty(self, dparams, cfg, rows, length):
+        """The head's cache before any prompt token (`advance` fills it)."""
+        return empty_kv(cfg, dparams, rows, length)
 
     def logits(self, params, dparams, cfg, h, positions, kv):
         x, kv = block(cfg, dparams, h, positions, kv)

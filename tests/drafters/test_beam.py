@@ -24,7 +24,7 @@ from jspec.api import Model
 from jspec.controllers import make_controller
 from jspec.drafters.beam import Beam, beam_step, empty_entries
 from jspec.drafters.early_exit import EarlyExit
-from jspec.engine import acceptance
+from jspec.engine import acceptance, loop
 from jspec.engine.sampling import Sampling
 from jspec.errors import JspecError
 from jspec.model.decoder import KVCache
@@ -225,9 +225,8 @@ def test_beams_never_read_each_others_entries(small, head_path, eagle_path, kind
     cfg, w, k, j = model.cfg, 4, 4, 2
     path = head_path if kind == "eesd" else eagle_path
     drafter, dparams, _ = methods.build("mjsd", model, head=path, beam_width=w, max_draft=k)
-    tokens, packing = jax.tree.map(jnp.asarray, batching.pack([PROMPTS[0]["token_ids"]]))
-    lens = packing.lens
-    prefill = jax.jit(lambda p, d, c: drafter.prefill(p, d, cfg, tokens, packing, c))
+    tokens, lens = map(jnp.asarray, batching.prompt_rows([PROMPTS[0]["token_ids"]], 32))
+    prefill = jax.jit(lambda p, d, c: loop.prefill(drafter, p, d, cfg, tokens, lens, c, 8))
     _, cache, dstate = prefill(model.params, dparams, KVCache.zeros(cfg, 1, 32))
     stack = drafter.inner.beam_stack(model.params, dparams.inner, cfg, cache, dstate.inner)
     keys = iter(jax.random.split(jax.random.key(1), 64))
@@ -294,13 +293,12 @@ def test_one_beam_drafts_and_caches_like_the_token_by_token_drafter(small, head_
     cfg, k = model.cfg, 3
     path = head_path if kind == "eesd" else eagle_path
     beam, dparams, ctrl = methods.build("mjsd", model, head=path, beam_width=1, max_draft=k)
-    tokens, packing = jax.tree.map(jnp.asarray, batching.pack([PROMPTS[0]["token_ids"][:6], PROMPTS[2]["token_ids"][:5]]))
-    lens = packing.lens
+    tokens, lens = map(jnp.asarray, batching.prompt_rows([PROMPTS[0]["token_ids"][:6], PROMPTS[2]["token_ids"][:5]], 32))
 
     def draft(params, dparams, cache, use_beam):
         drafter = beam if use_beam else beam.inner
         dparams = dparams if use_beam else dparams.inner
-        _, cache, dstate = drafter.prefill(params, dparams, cfg, tokens, packing, cache)
+        _, cache, dstate = loop.prefill(drafter, params, dparams, cfg, tokens, lens, cache, 8)
         s = types.SimpleNamespace(cache=cache, dstate=dstate, last=jnp.array([7, 1]), length=lens,
                                   done=jnp.zeros(2, bool), cstate=ctrl.init(2, k), budget=jnp.asarray(k))
         return drafter.draft(params, dparams, cfg, s, ctrl, Sampling(), jax.random.key(0))

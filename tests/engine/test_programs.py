@@ -30,6 +30,9 @@ SPECULATIVE = sorted(OPTIONS)
 OPTIONS["ar"] = {}
 ACCELERATORS = ("cuda", "tpu")
 ALL_BF16 = Numerics("bfloat16", "bfloat16")
+# The cache's length in the lowered programs: longer than an accelerator's prefill chunk, so that no
+# array of a chunk has the cache's shape.
+LENGTH = 2 * loop.ACCELERATOR_CHUNK
 NEW = 12
 
 
@@ -47,15 +50,15 @@ def program(model):
         model if numerics.activations == "float32" else all_bfloat16(model), method, platform, numerics))
 
 
-def lowered(model: Model, method: str, platform: str, numerics: Numerics = Numerics(), length: int = 64) -> str:
+def lowered(model: Model, method: str, platform: str, numerics: Numerics = Numerics(), length: int = LENGTH) -> str:
     """The StableHLO of `model`'s decoding program for one prompt with `method` on `platform`,
     with a cache of `length` entries. A CPU program is lowered without jspec's native kernels (a
     foreign call cannot be exported); a GPU's holds its Pallas attention (a Triton call, which
     jax.export asks to be named: its compatibility is jax's and Triton's, not export's)."""
     drafter, dparams, controller = methods.build(method, model, **OPTIONS[method])
-    tokens, packing = model.pack(model.requests([{"token_ids": [5, 6, 7, 5, 6, 7]}]), 1)
+    tokens, lens = model.prompt_rows(model.requests([{"token_ids": [5, 6, 7, 5, 6, 7]}]), 1, length)
     cache = decoder.KVCache.zeros(model.cfg, 1, length, numerics.kv_cache_dtype)
-    args = jnp.asarray(tokens), jax.tree.map(jnp.asarray, packing), jnp.asarray(model.cfg.eos_token_ids or (-1,))
+    args = jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(model.cfg.eos_token_ids or (-1,))
     triton = [jax.export.DisabledSafetyCheck.custom_call(gpu_attention.TARGET)]
     with kernels.off() if platform == "cpu" else contextlib.nullcontext():
         run = loop.Run(model.cfg, Sampling(), NEW, drafter, controller, numerics=numerics, platform=platform)
@@ -103,7 +106,7 @@ def test_float32_activations_multiply_at_highest_precision(model, program, metho
     for platform in ACCELERATORS:
         text = program(method, platform)
         assert dots(text) and all("precision = [HIGHEST, HIGHEST]" in line for line in dots(text)), platform
-        assert f"tensor<1x64x{model.cfg.num_kv_heads}x{model.cfg.head_dim}xf32>" in text  # the float32 cache
+        assert f"tensor<1x{LENGTH}x{model.cfg.num_kv_heads}x{model.cfg.head_dim}xf32>" in text  # the float32 cache
 
 
 def tensors(line: str) -> list[tuple[str, str]]:
@@ -116,7 +119,7 @@ def test_a_bfloat16_policy_keeps_cache_and_weights_in_bfloat16(model, program, m
     """With weights, activations and cache in bfloat16 the cache is bfloat16 throughout the loop
     (no float32 array of its shape), its products run at DEFAULT precision, and no weight is
     converted inside the loop: a widened copy of a weight would be written each step."""
-    cache = f"1x64x{model.cfg.num_kv_heads}x{model.cfg.head_dim}x"
+    cache = f"1x{LENGTH}x{model.cfg.num_kv_heads}x{model.cfg.head_dim}x"
     for platform in ACCELERATORS:
         text = program(method, platform, ALL_BF16)
         body = in_loops(text)

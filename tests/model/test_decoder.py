@@ -22,6 +22,8 @@ from conftest import FORMATS, KINDS, TINY, hf_config_class, hf_logits
 from jspec import batching
 from jspec.convert import store
 from jspec.errors import JspecError
+from jspec.drafters.base import Drafter
+from jspec.engine import loop
 from jspec.model import attention, decoder, layout
 from jspec.model.config import ModelConfig
 
@@ -224,37 +226,31 @@ def test_prefill_attention_in_spans_equals_block_by_block(monkeypatch, spans):
     assert text.count("stablehlo.while") == spans  # a loop a span, not an attention a block
 
 
-def test_pack_lays_prompts_end_to_end():
-    prompts = [list(range(1, n + 1)) for n in (70, 5, 100, 30, 90, 8)]
-    for packed_rows in (1, 2, 3):
-        tokens, packing = batching.pack(prompts, packed_rows)
-        per_row, p = len(prompts) // packed_rows, packing.bucket
-        assert tokens.shape[0] == packed_rows and p == batching.prompt_bucket(100)
-        assert tokens.shape[1] <= per_row * p  # never longer than padding every prompt to the longest
-        for b, prompt in enumerate(prompts):
-            r, where = b // per_row, packing.source[b, :len(prompt)]
-            assert tokens[r, where].tolist() == prompt
-            assert (packing.segment[r, where] == b).all() and packing.positions[r, where].tolist() == list(range(len(prompt)))
-        assert (packing.segment >= 0).sum() == sum(map(len, prompts))
+def test_prompt_rows_lay_each_prompt_from_position_zero():
+    prompts = [list(range(1, n + 1)) for n in (70, 5, 100)]
+    tokens, lens = batching.prompt_rows(prompts, 128)
+    assert tokens.shape == (3, 128) and lens.tolist() == [70, 5, 100]
+    for row, prompt in zip(tokens, prompts):
+        assert row[:len(prompt)].tolist() == prompt and not row[len(prompt):].any()
 
 
-@pytest.mark.parametrize("lengths, packed_rows", [((70, 5, 100, 30, 90, 8), 1), ((70, 5, 100, 30, 90, 8), 2),
-                                                  ((129, 1), 1)])
-def test_packed_prefill_equals_one_prompt_per_row(make_tiny, lengths, packed_rows):
-    """Prompts packed end to end, in one row or two, in a row longer than the longest prompt's
-    bucket or not, give each prompt the hidden state and cache entries it gets alone."""
+@pytest.mark.parametrize("chunk", [8, 32])
+def test_chunked_prefill_equals_one_forward_over_each_prompt(make_tiny, chunk):
+    """Prompts of uneven lengths (one a chunk long exactly, one shorter than a chunk, one ending a
+    chunk past the others), prefilled together a chunk at a time, give each prompt the state at
+    its last token and the cache entries one forward over it alone gives."""
     t = make_tiny("llama")
     cfg, params = t.cfg, t.params
     rng = np.random.default_rng(4)
-    prompts = [rng.integers(0, TINY["vocab_size"], n).tolist() for n in lengths]
-    tokens, packing = jax.tree.map(jnp.asarray, batching.pack(prompts, packed_rows))
+    prompts = [rng.integers(0, TINY["vocab_size"], n).tolist() for n in (70, 5, 32, 100, 1)]
+    tokens, lens = map(jnp.asarray, batching.prompt_rows(prompts, 128))
 
     @jax.jit
-    def packed(params, tokens, packing, cache):
-        h, cache = decoder.forward(params, cfg, tokens, packing, cache)
-        return decoder.logits(params, cfg, packing.last(h)), cache
+    def chunked(params, tokens, lens, cache):
+        h, cache, _ = loop.prefill(Drafter(), params, (), cfg, tokens, lens, cache, chunk)
+        return decoder.logits(params, cfg, h), cache
 
-    last, cache = packed(params, tokens, packing, decoder.KVCache.zeros(cfg, len(prompts), packing.bucket + 32))
+    last, cache = chunked(params, tokens, lens, decoder.KVCache.zeros(cfg, len(prompts), 128))
     for b, prompt in enumerate(prompts):
         alone, alone_cache = jspec_logits(params, cfg, np.asarray([prompt]), prefill=True)
         np.testing.assert_allclose(np.asarray(last[b]), alone[0, -1], rtol=0, atol=1e-5)

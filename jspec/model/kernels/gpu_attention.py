@@ -5,13 +5,14 @@ XLA's attention reads the whole allocated cache every step, [B, S, K, H] a layer
 it is filled: at batch 32 with a 2,048-entry cache an 8B model reads about as many bytes of cache
 as of weights each step. An XLA loop over the filled blocks would bound the reads, but a `while`
 on a GPU copies its trip test to the host every iteration, a layer at a time. Here the loop is in
-the kernel (flash decoding): a program per row, KV head and split of the cache's key blocks walks
-its blocks up to the row's furthest query position, keeping a running softmax, and the splits'
+the kernel (flash decoding): a program per row, KV head, block of queries and split of the cache's
+key blocks walks its blocks up to its furthest query position, keeping a running softmax, and the splits'
 softmaxes are combined after; a row reads its own filled part and nothing past it.
 
-The queries of a row's KV head, T positions x G heads, are one [M, H] block (M padded to a power of
-two, at least 16, as Triton's dot asks), so a decode step, a verification of K + 1 positions and a
-block of alternatives are one kernel. Its products take the precision of the program being traced
+The queries of a row's KV head, T positions x G heads, are [M, H] (M padded to a power of two, at
+least 16, as Triton's dot asks), in blocks of at most QUERY_BLOCK rows, each its own program, so a
+decode step, a verification of K + 1 positions and a block of alternatives are one block, and a
+chunk of a prefill several, each reading the keys up to its own furthest position. Its products take the precision of the program being traced
 (jspec.model.numerics: HIGHEST for float32 activations, which Triton runs in IEEE float32, not TF32).
 """
 
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 from jspec.model import numerics, online_softmax, sharding
 
 KEY_BLOCK = 64  # keys a step of the kernel's loop reads
+QUERY_BLOCK = 64  # query rows (positions x heads of a KV head) a program holds at most
 # Programs a call aims for at least: a row's keys are split over several programs (flash
 # decoding) when rows x KV heads are fewer, so one row over a long cache still keeps the GPU's
 # streaming multiprocessors (132 on an H100) busy; each split's softmax is combined after.
@@ -72,8 +74,10 @@ def on_device(q, k, v, q_pos, valid, prefix, interpret=False):
     b, t, kv, g, h = q.shape
     m = t * g
     rows = max(16, 1 << (m - 1).bit_length())
+    q_rows = min(rows, QUERY_BLOCK)
+    q_blocks = rows // q_rows
     blocks = k.shape[1] // KEY_BLOCK
-    splits = min(blocks, -(-PROGRAMS // (b * kv)))
+    splits = min(blocks, -(-PROGRAMS // (b * kv * q_blocks)))
     per_split = -(-blocks // splits)
     # Query rows (t, g) of each KV head together, padded with queries that see nothing.
     qr = jnp.pad(q.transpose(0, 2, 1, 3, 4).reshape(b, kv, m, h), ((0, 0), (0, 0), (0, rows - m), (0, 0)))
@@ -84,14 +88,14 @@ def on_device(q, k, v, q_pos, valid, prefix, interpret=False):
                                scores_dtype=jnp.promote_types(q.dtype, k.dtype),
                                probs_dtype=jnp.promote_types(q.dtype, v.dtype))
     part = lambda *shape: jax.ShapeDtypeStruct((b, kv, splits, rows, *shape), jnp.float32)  # noqa: E731
-    part_spec = lambda *shape: pl.BlockSpec((None, None, None, rows, *shape),  # noqa: E731
-                                            lambda i, j, n: (i, j, n, 0, *(0 for _ in shape)))
+    part_spec = lambda *shape: pl.BlockSpec((None, None, None, q_rows, *shape),  # noqa: E731
+                                            lambda i, j, r, n: (i, j, n, r, *(0 for _ in shape)))
     acc, top, total = pl.pallas_call(
         kernel,
-        grid=(b, kv, splits),
-        in_specs=[pl.BlockSpec((None, rows), lambda i, j, n: (i, 0)),
-                  pl.BlockSpec((None, rows), lambda i, j, n: (i, 0)),
-                  pl.BlockSpec((None, None, rows, h), lambda i, j, n: (i, j, 0, 0)),
+        grid=(b, kv, q_blocks, splits),
+        in_specs=[pl.BlockSpec((None, q_rows), lambda i, j, r, n: (i, r)),
+                  pl.BlockSpec((None, q_rows), lambda i, j, r, n: (i, r)),
+                  pl.BlockSpec((None, None, q_rows, h), lambda i, j, r, n: (i, j, r, 0)),
                   pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY),
                   pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=[part_spec(h), part_spec(), part_spec()],
@@ -107,12 +111,12 @@ def on_device(q, k, v, q_pos, valid, prefix, interpret=False):
 
 def _kernel(q_pos_ref, prefix_ref, q_ref, k_ref, v_ref, valid_ref, acc_ref, top_ref, total_ref, *, per_split, scale,
             scores_dtype, probs_dtype):
-    """One (row, KV head, split of the keys): the running softmax of the row's queries over the
-    split's key blocks, up to the block of the row's furthest query: its unnormalised sum of
-    values, largest score and sum of weights."""
+    """One (row, KV head, block of queries, split of the keys): the running softmax of the block's
+    queries over the split's key blocks, up to the block of its furthest query: its unnormalised
+    sum of values, largest score and sum of weights."""
     from jax.experimental import pallas as pl
 
-    row, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    row, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(3)
     q = q_ref[...].astype(scores_dtype)
     q_pos, prefix = q_pos_ref[...], prefix_ref[...]
     # At the precision of the program being traced, as every product (jspec.model.numerics).

@@ -1,0 +1,79 @@
+"""Chunked prefill (jspec.engine.loop.prefill): what a drafter keeps of a prompt does not depend on
+the chunks it came in."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from support.lossless import K, make_spec, method_options
+from support.spec import repetitive_prompts
+
+from jspec import methods
+from jspec.batching import prompt_rows
+from jspec.drafters.knn_ssd import KnnSsd, nearest_anchor, prompt_feature
+from jspec.engine import loop
+from jspec.model import decoder
+
+LENGTHS = (5, 30, 41, 70)  # one chunk of 32, two and three; of 8, up to nine
+LENGTH = 128  # the cache's
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory):
+    return make_spec(tmp_path_factory)
+
+
+# The drafters that keep something of the prompt beside the target's cache: a draft model's
+# cache, an early exit head's cache, EAGLE's head cache and the state before the next token.
+@pytest.mark.parametrize("drafter", ["draft", "eesd", "kangaroo", "eagle"])
+def test_chunks_of_8_and_of_32_leave_the_same_state(spec, drafter):
+    """The prompts in chunks of 8 positions or of 32 leave the same last state, cache and drafter
+    state (every array that runs along the cache: at each row's prompt positions)."""
+    cfg, params = spec.target.cfg, spec.target.params
+    prompts = [p["token_ids"] for p in repetitive_prompts(LENGTHS, cfg.vocab_size, seed=5)]
+    method, opts = method_options(spec, drafter, {"max_draft": K})
+    plan, dparams, _ = methods.build(method, spec.target, **opts)
+    tokens, lens = map(jnp.asarray, prompt_rows(prompts, LENGTH))
+    prefill = jax.jit(lambda params, dparams, chunk: loop.prefill(
+        plan, params, dparams, cfg, tokens, lens, decoder.KVCache.zeros(cfg, len(prompts), LENGTH), chunk),
+        static_argnums=2)
+    by8, by32 = prefill(params, dparams, 8), prefill(params, dparams, 32)
+    leaves8, leaves32 = jax.tree.leaves(by8), jax.tree.leaves(by32)
+    assert len(leaves8) == len(leaves32) > 3
+    for a, b in zip(leaves8, leaves32):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        if a.ndim >= 2 and a.shape[1] == LENGTH:  # padding past a prompt differs with the chunks
+            for row, n in enumerate(lens.tolist()):
+                np.testing.assert_allclose(a[row, :n], b[row, :n], rtol=0, atol=2e-5)
+        else:
+            np.testing.assert_allclose(a, b, rtol=0, atol=2e-5)
+
+
+def test_knn_ssd_matches_the_whole_prompts_feature(spec):
+    """KNN-SSD's feature summed chunk by chunk is the mean over the whole prompt, and picks its
+    nearest anchor."""
+    cfg, params = spec.target.cfg, spec.target.params
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in LENGTHS]
+    anchors = rng.normal(size=(6, cfg.hidden_size))
+    dparams = {"anchors": jnp.asarray(anchors / np.linalg.norm(anchors, axis=1, keepdims=True), jnp.float32),
+               "anchor_domain": jnp.arange(6, dtype=jnp.int32) % 3,
+               "skip": jnp.zeros((3, 2, cfg.num_layers), bool)}
+    tokens, lens = map(jnp.asarray, prompt_rows(prompts, LENGTH))
+
+    @jax.jit
+    def chunked(params, dparams, tokens, lens):
+        cache = decoder.KVCache.zeros(cfg, len(prompts), LENGTH)
+        return loop.prefill(KnnSsd(), params, dparams, cfg, tokens, lens, cache, 8)[2]
+
+    @jax.jit
+    def whole(params, tokens, lens):
+        h, _ = decoder.forward(params, cfg, tokens, None, decoder.KVCache.zeros(cfg, len(prompts), LENGTH))
+        return prompt_feature(params, cfg, h, lens)
+
+    state, feature = chunked(params, dparams, tokens, lens), whole(params, tokens, lens)
+    np.testing.assert_allclose(np.asarray(state.feature / lens[:, None]), np.asarray(feature), rtol=0, atol=1e-5)
+    want = dparams["anchor_domain"][nearest_anchor(feature, dparams["anchors"])]
+    assert state.domain.tolist() == want.tolist()

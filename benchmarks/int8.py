@@ -8,7 +8,8 @@ prompts (Spec-Bench's questions, `--limit` of each category) greedy: at each bat
 float32, then `ar` and each of `--methods` in int8. Per run: tokens/s over the Model's clock
 (compiles left out), the ratio to float32 `ar` at that batch size, and rows token-identical to
 the int8 `ar` (every lossless method must give all of them) and to float32 `ar` (reported). The
-quality row scores both `ar` outputs under the float32 model: mean NLL a token (jspec.bench.quality).
+quality rows give mean NLL a token (jspec.bench.quality): of both `ar` outputs under the float32
+model, and teacher-forced, of float32 `ar`'s output under each model (the same text for both).
 
 The anchor: llama.cpp (llama-cpp-python, in the interpreter `--llama-python` names: it is built
 from source, so it lives apart from jspec's environment) on a Q8_0 copy of the same GGUF, made by
@@ -121,6 +122,11 @@ def main() -> None:
             return [(r.token_ids, outputs[dtype, "ar", first][r.id]["token_ids"]) for r in requests]
         emit({"quality": "mean NLL a token under the float32 model", "batch_size": first,
               **{f"{d}_ar": round(quality.mean_nll(models["float32"], pairs(d)), 4) for d in models}})
+        # The same text under both models: float32 `ar`'s outputs scored by each. Two models'
+        # own outputs differ from the first diverging token on, and a different continuation's
+        # NLL moves by more than the weights' error (docs/benchmarks.md, "Int8 weights").
+        emit({"quality": "mean NLL a token of float32 ar's output (teacher-forced)", "batch_size": first,
+              **{f"{d}_model": round(quality.mean_nll(models[d], pairs("float32")), 4) for d in models}})
         if args.llama_python:
             emit(llama_cpp_anchor(args, prompts))
     if args.markdown:
@@ -143,9 +149,10 @@ def table(rows: list[dict], args) -> str:
                      f"{r['same_as_float32_ar']}/{r['prompts']} |")
     for r in rows:
         if "quality" in r:
-            change = 100 * (r["int8_ar"] / r["float32_ar"] - 1)
-            lines += ["", f"Quality ({r['quality']}, batch {r['batch_size']}): float32 `ar` {r['float32_ar']:.4f}, "
-                          f"int8 `ar` {r['int8_ar']:.4f} ({change:+.2f}%)."]
+            what = "ar" if "int8_ar" in r else "model"  # whose output is scored, or which model scores
+            f32, i8 = r[f"float32_{what}"], r[f"int8_{what}"]
+            lines += ["", f"Quality ({r['quality']}, batch {r['batch_size']}): float32 {what} {f32:.4f}, "
+                          f"int8 {what} {i8:.4f} ({100 * (i8 / f32 - 1):+.2f}%)."]
         if r.get("engine", "").startswith("llama.cpp"):
             ar = next(x for x in jspec_rows if x["dtype"] == "int8" and x["method"] == "ar" and x["batch_size"] == 1)
             lines += ["", f"Anchor: {r['engine']}, batch 1, {r['tokens_per_second']:.1f} tokens/s "

@@ -1,10 +1,10 @@
 """KNN-SSD: layer skipping with a skip set per domain, picked per prompt by nearest neighbour.
 
 At prefill each row's feature (the mean over its prompt tokens of the final-normed last hidden
-state, which the prefill computes anyway, summed chunk by chunk) is compared by cosine with the anchors (k-means
-centres of each domain's prompts); the nearest anchor's domain gives the row its sublayer skip
-set. The sets, the anchors and the anchor -> domain map travel in `dparams` as data, so a
-prompt never recompiles anything. Drafting runs the target with those sublayers skipped
+state, which the prefill computes anyway, summed chunk by chunk) is compared by cosine with the
+anchors (k-means centres of each domain's prompts); the nearest anchor's domain gives the row
+its sublayer skip set. The sets, the anchors and the anchor -> domain map travel in `dparams` as
+data, so a prompt never recompiles anything. Drafting runs the target with those sublayers skipped
 (`decoder.run_masked_layers`); verification is the full target, so decoding stays lossless.
 """
 

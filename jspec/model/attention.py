@@ -1,4 +1,5 @@
-"""Attention over the KV cache: decode steps, verifications, blocks of alternatives, prefills.
+"""Attention over the KV cache: decode steps, verifications, blocks of alternatives, prompt
+chunks, and whole texts (training, scoring).
 
 A query at position p sees cache entries 0..p of its row (entries past a row's position are stale
 and never seen). Each platform gets its own path behind `attention` (docs/design.md, "Attention on
@@ -10,7 +11,8 @@ a CPU" and "Attention on a GPU and a TPU"):
   would copy the trip test of an XLA loop to the host every iteration);
 - a TPU: `filled_attention`, an XLA loop over the key blocks up to the batch's furthest query,
   with a running softmax (a TPU runs a loop's control on the device).
-A prefill's spans read only their prompt's keys already: on a GPU and a TPU they keep XLA's einsums.
+A whole text's spans (`prefill_attention`) read only their own keys already: on a GPU and a TPU
+they keep XLA's einsums.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ import jax.numpy as jnp
 from jspec.model import kernels, numerics, online_softmax
 from jspec.model.kernels import gpu_attention
 
-PREFILL_BLOCK = 64  # queries per block of prefill attention
-PREFILL_SPANS = 8  # attentions a layer of a prefill holds at most (prefill_attention)
+PREFILL_BLOCK = 64  # queries per block of a whole text's attention
+PREFILL_SPANS = 8  # attentions a layer of a whole text holds at most (prefill_attention)
 KEY_BLOCK = 512  # keys a step of filled_attention's loop reads at most (a divisor of the cache's length)
 
 
@@ -37,7 +39,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid:
 
     The path is the platform's (this module's docstring); each gives a query the same result
     whatever else the call holds, up to float rounding. `filled` says every key given is filled
-    (a prefill's span): a GPU or TPU then has no unfilled part to leave out, and takes XLA's
+    (a whole text's span): a GPU or TPU then has no unfilled part to leave out, and takes XLA's
     einsums."""
     return _on_platform(q, k, v, q_pos, valid, prefix, filled)[0]
 

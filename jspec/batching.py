@@ -13,7 +13,6 @@ from typing import Any, Sequence
 
 import numpy as np
 
-
 MIN_PROMPT_BUCKET = 32
 PROMPT_STEP = 128
 

@@ -49,7 +49,7 @@ def prefill_chunk(platform: str, length: int) -> int:
 
 def prefill(drafter, params, dparams, cfg: ModelConfig, tokens, lens, cache: decoder.KVCache, chunk: int):
     """Prompts tokens [B, S] (row b's the first lens[b]) through `drafter`'s prefill, `chunk`
-    positions a time (a divisor of S), in a loop as long as the longest prompt needs: the target's
+    positions at a time (a divisor of S), in a loop as long as the longest prompt needs: the target's
     last-layer state at each prompt's last token [B, D], the cache and the drafter's state."""
     b = tokens.shape[0]
 

@@ -5,15 +5,16 @@ XLA's attention reads the whole allocated cache every step, [B, S, K, H] a layer
 it is filled: at batch 32 with a 2,048-entry cache an 8B model reads about as many bytes of cache
 as of weights each step. An XLA loop over the filled blocks would bound the reads, but a `while`
 on a GPU copies its trip test to the host every iteration, a layer at a time. Here the loop is in
-the kernel (flash decoding): a program per row, KV head, block of queries and split of the cache's
-key blocks walks its blocks up to its furthest query position, keeping a running softmax, and the splits'
-softmaxes are combined after; a row reads its own filled part and nothing past it.
+the kernel (flash decoding): a program per row, KV head, block of queries and split of the
+cache's key blocks walks its blocks up to its furthest query position, keeping a running softmax,
+and the splits' softmaxes are combined after; a row reads its own filled part and nothing past it.
 
 The queries of a row's KV head, T positions x G heads, are [M, H] (M padded to a power of two, at
 least 16, as Triton's dot asks), in blocks of at most QUERY_BLOCK rows, each its own program, so a
 decode step, a verification of K + 1 positions and a block of alternatives are one block, and a
-chunk of a prefill several, each reading the keys up to its own furthest position. Its products take the precision of the program being traced
-(jspec.model.numerics: HIGHEST for float32 activations, which Triton runs in IEEE float32, not TF32).
+chunk of a prefill several, each reading the keys up to its own furthest position. Its products
+take the precision of the program being traced (jspec.model.numerics: HIGHEST for float32
+activations, which Triton runs in IEEE float32, not TF32).
 """
 
 from __future__ import annotations

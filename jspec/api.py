@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec import compilation_cache, distributed, memory, methods
-from jspec.batching import Request, batch_rows, batches, prompt_bucket, prompt_rows
+from jspec.batching import Request, batch_rows, batches, prompt_bucket, prompt_rows, shortest_first
 from jspec.convert import cache as model_cache, store
 from jspec.engine import loop, slots
 from jspec.engine.pricing import measure as measure_costs, resolve as resolve_pricing
@@ -108,10 +108,10 @@ class Model:
         finish; under static batching in the order of `batches(requests, batch_size)`: the
         requests' own order at batch size 1, shortest prompts first above it.
 
-        `batching`: "continuous" keeps `batch_size` rows decoding, each taking the next request as
-        soon as its own ends (jspec.engine.slots); a record's `seconds` is then its row's own time,
-        from the call that prefilled it to the end of the call in which it finished (compiles
-        excluded). "static" runs batches of `batch_size` requests sorted by prompt length, each
+        `batching`: "continuous" keeps `batch_size` rows decoding, each taking the next request
+        (shortest prompts first) as soon as its own ends (jspec.engine.slots); a record's `seconds`
+        is then its row's own time, from the call that prefilled it to the end of the call in which
+        it finished (compiles excluded). "static" runs batches of `batch_size` requests sorted by prompt length, each
         until its longest row ends; `seconds` is its batch's time. At batch size 1 the two are one
         program. Greedy output is the same under both; a sampled row draws from the same
         distribution under both, but its draws follow the rows it shared steps with, so only static
@@ -188,8 +188,9 @@ class Model:
 
     def _continuous(self, requests, batch_size, max_new, sampling, seed, plan, logprobs, costs):
         """Continuous batching (jspec.engine.slots): `batch_size` rows, each refilled with the next
-        request, in the given order, as soon as its own finished. One cache for the run, as long as
-        its longest prompt needs."""
+        request, shortest prompts first, as soon as its own finished (an admitted group's rows are
+        prefilled at its longest prompt's chunks). One cache for the run, as long as its longest
+        prompt needs."""
         drafter, dparams, _ = plan
         rows = self.batch_rows(len(requests), batch_size)
         length = self.cache_length(requests, max_new, drafter.max_draft)
@@ -197,7 +198,7 @@ class Model:
         run = functools.partial(self._run_program, plan=plan, max_new=max_new, sampling=sampling, logprobs=logprobs)
         if isinstance(costs, str):  # timed on this run's own programs
             costs = self.round_costs(requests, rows, max_new, sampling, plan, logprobs, length)
-        queue = collections.deque(requests)
+        queue = collections.deque(shortest_first(requests))
         held: list[Request | None] = [queue.popleft() for _ in range(min(rows, len(queue)))]
         tokens, lens = self.prompt_rows(held, rows, length)
         held += [None] * (rows - len(held))

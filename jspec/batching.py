@@ -46,15 +46,22 @@ def prompt_rows(prompts: Sequence[Sequence[int]], length: int) -> tuple[np.ndarr
     return tokens, np.asarray([len(p) for p in prompts], np.int32)
 
 
+def shortest_first(requests: Sequence[Request]) -> list[Request]:
+    """requests by prompt length, ties in the given order: the order batches are cut in and slots
+    take prompts in. Prompts prefilled together run at the longest one's chunks, so neighbours of
+    like length waste the least; and a resumed run's remaining prompts sort as they did in the
+    uninterrupted run."""
+    return sorted(requests, key=lambda r: len(r.token_ids))
+
+
 def batches(requests: Sequence[Request], batch_size: int) -> list[list[Request]]:
-    """Split requests into batches, shortest prompts first (ties in the given order).
+    """Split requests into batches, shortest prompts first (ties in the given order); at batch
+    size 1, in the given order.
 
     A batch is prefilled at its longest prompt's padded length and decodes until its last row
-    stops, so a short prompt batched with a long one pays for the long one. Sorting keeps a
-    resumed run's batches those of the uninterrupted run: the finished prompts were its first
-    batches, and the rest sort the same way.
+    stops, so a short prompt batched with a long one pays for the long one.
     """
-    ordered = sorted(requests, key=lambda r: len(r.token_ids)) if batch_size > 1 else list(requests)
+    ordered = shortest_first(requests) if batch_size > 1 else list(requests)
     return [ordered[i:i + batch_size] for i in range(0, len(ordered), batch_size)]
 
 

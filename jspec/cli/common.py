@@ -107,7 +107,7 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-size", type=int, default=1, metavar="N",
                    help="rows decoded together; the output keeps the prompts' order (default: %(default)s)")
     g.add_argument("--batching", choices=("continuous", "static"), default="continuous",
-                   help="continuous: a row that finishes takes the next prompt at once; static: batches of "
+                   help="continuous: a row that finishes takes the next prompt (shortest first) at once; static: batches of "
                         "prompts sorted by length, each until its longest row ends (default: %(default)s)")
     g.add_argument("--pricing", choices=("auto", "on", "off"), default="auto",
                    help="price each round by what drafting costs on this device, drafting less (or nothing) "

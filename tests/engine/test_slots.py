@@ -106,6 +106,16 @@ def test_rows_that_end_together_are_refilled_in_one_admit(spec):
     assert [sig.rows for sig in model.programs() if sig.program == "admit"] == [BATCH]
 
 
+def test_slots_take_the_shortest_prompts_first(spec):
+    """Given longest first, the prompts are prefilled shortest first: two tokens each and no EOS,
+    so rows taken together finish together and the records come in the order they were taken."""
+    model = spec.free
+    requests = model.requests(repetitive_prompts([40, 3, 21, 9, 30, 5], model.cfg.vocab_size, seed=3))
+    records = list(model.stream(requests, max_new_tokens=2, batch_size=2))
+    length = {r.id: len(r.token_ids) for r in requests}
+    assert [length[r["id"]] for r in records] == sorted(length.values())
+
+
 def test_put_rows_keeps_shared_arrays():
     import jax.numpy as jnp
 

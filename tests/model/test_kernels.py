@@ -140,13 +140,16 @@ def test_attention_equals_jax(kernel, shape):
 
 
 def test_attention_over_chunks_equals_jax(kernel):
-    """A cache of several 128-key chunks, queries seeing some of them: the partial softmaxes combine."""
-    q, k, v, _, valid = attention_inputs(2, 3, 2, 2, 16, 300, seed=5)
-    q_pos = jnp.asarray([[5, 130, 299], [256, 257, 40]], jnp.int32)
-    got, got_lse = jax.jit(kernels.attention)(q, k, v, q_pos, valid, q_pos + 1)
-    want, want_lse = attention.xla_attention(q, k, v, q_pos, valid)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
-    np.testing.assert_allclose(np.asarray(got_lse), np.asarray(want_lse), atol=1e-5, rtol=1e-6)
+    """A cache of several 128-key chunks, queries seeing some of them: the partial softmaxes combine;
+    and queries that all see only the first chunks of a long cache (a prefill's first chunks: the
+    kernel stops at the furthest key seen)."""
+    q, k, v, _, valid = attention_inputs(2, 3, 2, 2, 16, 600, seed=5)
+    for q_pos in ([[5, 130, 299], [256, 257, 40]], [[5, 60, 140], [0, 1, 2]]):
+        q_pos = jnp.asarray(q_pos, jnp.int32)
+        got, got_lse = jax.jit(kernels.attention)(q, k, v, q_pos, valid, q_pos + 1)
+        want, want_lse = attention.xla_attention(q, k, v, q_pos, valid)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+        np.testing.assert_allclose(np.asarray(got_lse), np.asarray(want_lse), atol=1e-5, rtol=1e-6)
 
 
 def test_attention_query_gets_the_same_bits_in_any_call(kernel):

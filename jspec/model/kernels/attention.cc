@@ -271,12 +271,16 @@ ffi::Error Attention(ffi::ThreadPool pool, Queries q, Cache k, Cache v, ffi::Buf
   const int64_t queries = n.b * n.t * n.kv * n.g;
   if (queries == 0 || n.h == 0) return ffi::Error::Success();
   // Items are (row, block of 16 query positions, chunk of keys), so even one query over a long
-  // cache keeps both cores busy, each reading its own chunk.
+  // cache keeps both cores busy, each reading its own chunk. Chunks stop at the furthest key any
+  // query sees: a prefill's early chunks or a short row in a long cache would otherwise pay, in
+  // partial results to clear and combine, for every chunk of the cache's length.
+  const int32_t* ps = pos.typed_data();
+  const int64_t seen = std::min<int64_t>(n.s, int64_t{*std::max_element(ps, ps + n.b * n.t)} + 1);
   const int64_t t_blocks = (n.t + kBlockQueries - 1) / kBlockQueries;
-  const int64_t chunks = std::max<int64_t>(1, (n.s + kChunkKeys - 1) / kChunkKeys);
+  const int64_t chunks = std::max<int64_t>(1, (seen + kChunkKeys - 1) / kChunkKeys);
   std::vector<float> partial(queries * chunks * (n.h + 2));
   const float *qs = q.typed_data(), *ks = k.typed_data(), *vs = v.typed_data();
-  const int32_t *ps = pos.typed_data(), *fs = from.typed_data();
+  const int32_t* fs = from.typed_data();
   const bool* valids = valid.typed_data();
   float* partials = partial.data();
   ParallelFor(pool, n.b * t_blocks * chunks, [=](int64_t item) {

@@ -1,0 +1,65 @@
+"""Two builds of jspec's native attention kernel side by side, alone: one call over the default
+model's attention shapes (3 kv heads x 3 queries each, head dim 64) with another build's kernel and
+with this checkout's, alternating call by call (best of CALLS), and whether their outputs are
+bit-identical. The shapes are a prefill's 32-position chunk of one row at a few offsets into a
+long cache, and a decode step of 8 rows.
+
+    cp jspec/model/kernels/_native*.so /tmp/before.so   # before the change
+    pip install -e .                                    # rebuild with it
+    python benchmarks/probes/attention_ab.py /tmp/before.so
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.model import kernels
+
+# (rows, queries a row, cache length, first query's position)
+SHAPES = [(1, 32, 2368, 0), (1, 32, 2368, 288), (1, 32, 2368, 1000), (8, 1, 2368, 300), (1, 32, 384, 288)]
+CALLS = 200
+
+
+def call(target: str, q, k, v, pos, prefix, valid):
+    out = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(q.shape[:4], jnp.float32))
+    return jax.ffi.ffi_call(target, out)(q, k, v, pos, prefix, valid, scale=np.float32(q.shape[-1] ** -0.5))
+
+
+def main() -> None:
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python benchmarks/probes/attention_ab.py OTHER_BUILD.so")
+    if kernels.unavailable:
+        raise SystemExit(f"the native kernel is unavailable: {kernels.unavailable}")
+    other = ctypes.CDLL(sys.argv[1])
+    jax.ffi.register_ffi_target("other_build_attention", jax.ffi.pycapsule(other.JspecAttention), platform="cpu")
+    builds = {"other build": "other_build_attention", "this checkout": "jspec_attention"}
+    rng = np.random.default_rng(0)
+    print(f"One call, best of {CALLS}, us\n\n| rows x queries | cache | first position | other build | "
+          "this checkout | speedup | bit-identical |\n| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    for rows, t, length, first in SHAPES:
+        q = jnp.asarray(rng.standard_normal((rows, t, 3, 3, 64)), jnp.float32)
+        k = jnp.asarray(rng.standard_normal((rows, length, 3, 64)), jnp.float32)
+        v = jnp.asarray(rng.standard_normal((rows, length, 3, 64)), jnp.float32)
+        pos = jnp.asarray(np.broadcast_to(first + np.arange(t), (rows, t)), jnp.int32)
+        args = (q, k, v, pos, pos + 1, jnp.ones((rows, length), jnp.bool_))
+        fns = {name: jax.jit(lambda *a, target=target: call(target, *a)) for name, target in builds.items()}
+        outs = {name: jax.block_until_ready(fn(*args)) for name, fn in fns.items()}
+        best = dict.fromkeys(fns, float("inf"))
+        for _ in range(CALLS):
+            for name, fn in fns.items():
+                began = time.perf_counter()
+                jax.block_until_ready(fn(*args))
+                best[name] = min(best[name], time.perf_counter() - began)
+        same = all(np.array_equal(a, b) for a, b in zip(outs["other build"], outs["this checkout"]))
+        a, b = best["other build"] * 1e6, best["this checkout"] * 1e6
+        print(f"| {rows} x {t} | {length} | {first} | {a:.0f} | {b:.0f} | {a / b:.2f}x | {same} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -88,6 +88,18 @@ def test_auto_is_lossless_and_names_its_choice(spec, batch_size):
     assert {r["method"] for r in records} == {"ngram"}
 
 
+def test_auto_prices_static_batches_and_a_named_method_does_not(spec):
+    """`--pricing auto` (the default) under static batching: `--method auto` measures its costs
+    (and stays lossless), `ngram` by name keeps its unpriced rounds."""
+    model = type(spec.target)(spec.target.cfg, spec.target.params, name="fresh")
+    assert ids(model.generate(spec.prompts, method="ngram", max_new_tokens=NEW, batch_size=4,
+                              batching="static")) == spec.ar
+    assert not model._costs
+    assert ids(model.generate(spec.prompts, method="auto", max_new_tokens=NEW, batch_size=4,
+                              batching="static")) == spec.ar
+    assert len(model._costs) == 1
+
+
 def test_a_lossy_method_is_not_priced(spec):
     with pytest.raises(JspecError, match="--pricing prices the rounds of lossless methods"):
         spec.target.generate(spec.prompts[:1], method="mjsd", exit_layer=1, max_new_tokens=2, pricing="on")

@@ -162,13 +162,13 @@ class Model:
                     f"prompt {r.id!r} has {len(r.token_ids)} tokens; with --max-new-tokens {max_new_tokens} "
                     f"that exceeds the model's context of {context}")
         continuous = batching == "continuous" and batch_size > 1
+        recipe = methods.get(method)
         # `auto` promises the fastest lossless choice at every batch size, so it prices its rounds
         # above batch size 1 under static batching too (its rows were 0.57x `ar` there unpriced).
-        chosen = methods.get(method).chooses is not None
-        costs = resolve_pricing(pricing, methods.get(method).lossless, plan[0].max_draft,
-                                continuous or chosen and batch_size > 1)
+        costs = resolve_pricing(pricing, recipe.lossless, plan[0].max_draft,
+                                continuous or recipe.chooses is not None and batch_size > 1)
         run = self._continuous if continuous else self._batches
-        name = methods.get(method).chooses or method  # the method that decodes: what records name
+        name = recipe.chooses or method  # the method that decodes: what records name
         return ((r, {**record, "method": name})
                 for r, record in run(list(requests), batch_size, max_new_tokens, sampling, seed, plan, logprobs, costs))
 

@@ -111,11 +111,11 @@ class Model:
         `batching`: "continuous" keeps `batch_size` rows decoding, each taking the next request
         (shortest prompts first) as soon as its own ends (jspec.engine.slots); a record's `seconds`
         is then its row's own time, from the call that prefilled it to the end of the call in which
-        it finished (compiles excluded). "static" runs batches of `batch_size` requests sorted by prompt length, each
-        until its longest row ends; `seconds` is its batch's time. At batch size 1 the two are one
-        program. Greedy output is the same under both; a sampled row draws from the same
-        distribution under both, but its draws follow the rows it shared steps with, so only static
-        batching repeats an uninterrupted run's samples on a resume.
+        it finished (compiles excluded). "static" runs batches of `batch_size` requests sorted by
+        prompt length, each until its longest row ends; `seconds` is its batch's time. At batch
+        size 1 the two are one program. Greedy output is the same under both; a sampled row draws
+        from the same distribution under both, but its draws follow the rows it shared steps with,
+        so only static batching repeats an uninterrupted run's samples on a resume.
 
         `logprobs` = k > 0 adds to each record "top_ids" and "top_logprobs" (NumPy [new_tokens, k]):
         the target's k most likely tokens and their untempered log-probabilities behind each
@@ -163,10 +163,8 @@ class Model:
                     f"that exceeds the model's context of {context}")
         continuous = batching == "continuous" and batch_size > 1
         recipe = methods.get(method)
-        # `auto` promises the fastest lossless choice at every batch size, so it prices its rounds
-        # above batch size 1 under static batching too (its rows were 0.57x `ar` there unpriced).
-        costs = resolve_pricing(pricing, recipe.lossless, plan[0].max_draft,
-                                continuous or recipe.chooses is not None and batch_size > 1)
+        costs = resolve_pricing(pricing, recipe.lossless, plan[0].max_draft, continuous, batch_size,
+                                recipe.chooses is not None)
         run = self._continuous if continuous else self._batches
         name = recipe.chooses or method  # the method that decodes: what records name
         return ((r, {**record, "method": name})
@@ -192,9 +190,8 @@ class Model:
 
     def _continuous(self, requests, batch_size, max_new, sampling, seed, plan, logprobs, costs):
         """Continuous batching (jspec.engine.slots): `batch_size` rows, each refilled with the next
-        request, shortest prompts first, as soon as its own finished (an admitted group's rows are
-        prefilled at its longest prompt's chunks). One cache for the run, as long as its longest
-        prompt needs."""
+        request (batching.shortest_first) as soon as its own finished. One cache for the run, as
+        long as its longest prompt needs."""
         drafter, dparams, _ = plan
         rows = self.batch_rows(len(requests), batch_size)
         length = self.cache_length(requests, max_new, drafter.max_draft)

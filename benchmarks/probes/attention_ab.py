@@ -11,15 +11,12 @@ long cache, and a decode step of 8 rows.
 
 from __future__ import annotations
 
-import ctypes
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from jspec.model import kernels
+from kernel_ab import register_other_build  # this script's folder
 
 # (rows, queries a row, cache length, first query's position)
 SHAPES = [(1, 32, 2368, 0), (1, 32, 2368, 288), (1, 32, 2368, 1000), (8, 1, 2368, 300), (1, 32, 384, 288)]
@@ -32,12 +29,7 @@ def call(target: str, q, k, v, pos, prefix, valid):
 
 
 def main() -> None:
-    if len(sys.argv) != 2:
-        raise SystemExit("usage: python benchmarks/probes/attention_ab.py OTHER_BUILD.so")
-    if kernels.unavailable:
-        raise SystemExit(f"the native kernel is unavailable: {kernels.unavailable}")
-    other = ctypes.CDLL(sys.argv[1])
-    jax.ffi.register_ffi_target("other_build_attention", jax.ffi.pycapsule(other.JspecAttention), platform="cpu")
+    register_other_build("attention_ab.py", "JspecAttention", "other_build_attention")
     builds = {"other build": "other_build_attention", "this checkout": "jspec_attention"}
     rng = np.random.default_rng(0)
     print(f"One call, best of {CALLS}, us\n\n| rows x queries | cache | first position | other build | "

@@ -35,13 +35,19 @@ def compiled(target: str, build):
     return build()
 
 
-def main() -> None:
+def register_other_build(script: str, symbol: str, target: str) -> None:
+    """The build named on the command line (the one argument of `script`) loaded beside this
+    checkout's, its handler `symbol` registered as the FFI target `target`."""
     if len(sys.argv) != 2:
-        raise SystemExit("usage: python benchmarks/probes/kernel_ab.py OTHER_BUILD.so")
+        raise SystemExit(f"usage: python benchmarks/probes/{script} OTHER_BUILD.so")
     if kernels.unavailable:
         raise SystemExit(f"the native kernel is unavailable: {kernels.unavailable}")
     other = ctypes.CDLL(sys.argv[1])
-    jax.ffi.register_ffi_target("other_build_matmul", jax.ffi.pycapsule(other.JspecMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(other, symbol)), platform="cpu")
+
+
+def main() -> None:
+    register_other_build("kernel_ab.py", "JspecMatmul", "other_build_matmul")
     m = jspec.load(dtype="float32")
     build, args = forward_programs(m, ROWS)
     builds = {"other build": compiled("other_build_matmul", build), "this checkout": compiled("jspec_matmul", build)}

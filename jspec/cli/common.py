@@ -107,12 +107,13 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-size", type=int, default=1, metavar="N",
                    help="rows decoded together; the output keeps the prompts' order (default: %(default)s)")
     g.add_argument("--batching", choices=("continuous", "static"), default="continuous",
-                   help="continuous: a row that finishes takes the next prompt (shortest first) at once; static: batches of "
-                        "prompts sorted by length, each until its longest row ends (default: %(default)s)")
+                   help="continuous: a row that finishes takes the next prompt (shortest first) at once; "
+                        "static: batches of prompts sorted by length, each until its longest row ends "
+                        "(default: %(default)s)")
     g.add_argument("--pricing", choices=("auto", "on", "off"), default="auto",
                    help="price each round by what drafting costs on this device, drafting less (or nothing) "
-                        "where it does not pay: on, off, or auto, which prices lossless methods under continuous batching "
-                        "and --method auto above batch size 1 (default: %(default)s)")
+                        "where it does not pay: on, off, or auto, which prices lossless methods under continuous "
+                        "batching and --method auto above batch size 1 (default: %(default)s)")
     g.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="sampling temperature: 0 is greedy, otherwise at least 1e-6 (default: %(default)s)")
     g.add_argument("--top-k", type=int, default=0, metavar="K",

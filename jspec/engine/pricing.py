@@ -30,16 +30,18 @@ TIMINGS = 3  # rounds timed one by one at each draft length: the fastest counts
 CHOICES = ("auto", "on", "off")
 
 
-def resolve(pricing, lossless: bool, max_draft: int, by_default: bool):
+def resolve(pricing, lossless: bool, max_draft: int, continuous: bool, batch_size: int, chooses: bool):
     """What `pricing` (generate's option) asks of a run: None (rounds unpriced), "measure", or the
-    costs [K+1] it gives. "auto" prices a lossless method's rounds where the caller says they are
-    priced `by_default` (jspec.api: above batch size 1, under continuous batching, and for `--method
-    auto` under static batching too), where a verification over B x (K + 1) positions stops being
-    nearly free; at batch size 1 the methods ship settings measured to pay there, and a named
-    method's static batches keep their old behaviour."""
+    costs [K+1] it gives. "auto" prices a lossless method's rounds under continuous batching
+    (above batch size 1), where a verification over B x (K + 1) positions stops being nearly free,
+    and a method that `chooses` (`--method auto`, which promises the fastest lossless choice at
+    every batch size) above batch size 1 under static batching too: unpriced, its static batches
+    of 8 and 32 ran at 0.57-0.58x `ar`. At batch size 1 the methods ship settings measured to pay
+    there, and a named method's static batches keep their old behaviour."""
     if isinstance(pricing, str) and pricing not in CHOICES:
         raise JspecError(f"--pricing must be one of {', '.join(CHOICES)} or K + 1 costs, got {pricing!r}")
     if isinstance(pricing, str) and pricing in ("auto", "off") or not max_draft:
+        by_default = continuous or chooses and batch_size > 1
         return "measure" if pricing == "auto" and by_default and lossless and max_draft else None
     if not lossless:  # a lossy method's rule may judge drafts the round would cut (MJSD's beams)
         raise JspecError("--pricing prices the rounds of lossless methods; this one is lossy")

@@ -41,10 +41,10 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(args)
     costs = model.calibrate(prompts, args.method, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                             **options)
-    print(f"{args.method} at batch size {args.batch_size}, {model.platform}: seconds a round by draft length")
-    print("  k  seconds  x plain step")
+    print(f"{args.method} at batch size {args.batch_size}, {model.platform}: milliseconds a round by draft length")
+    print("  k       ms  x plain step")
     for k, c in enumerate(costs):
-        print(f"{k:>3}  {c:7.4f}  {c / costs[0]:6.2f}")
+        print(f"{k:>3}  {1000 * c:7.2f}  {c / costs[0]:6.2f}")
     rows = jnp.ones((args.batch_size,), bool)
     chosen = [int(draft_length(jnp.asarray(costs), jnp.full(rows.shape, 1000 * r), jnp.full(rows.shape, 1000), rows))
               for r in RATES]

@@ -154,18 +154,23 @@ class Run:
                          finite=jnp.isfinite(first_logits).all(axis=-1), steps=jnp.zeros((), jnp.int32),
                          budget=jnp.asarray(k, jnp.int32), top=top)
 
-    def round(self, params, dparams, eos_ids, costs, s: LoopState) -> LoopState:
+    def round(self, params, dparams, eos_ids, costs, s: LoopState, whole_batch: bool = False) -> LoopState:
         """One round: draft, verify, accept, emit, in every row (a done row's results are dropped).
-        With `costs` [K+1] (jspec.engine.pricing) the round drafts as many tokens as they say pays."""
+        With `costs` [K+1] (jspec.engine.pricing) the round drafts as many tokens as they say pays:
+        for the batch's end where the batch runs as a `whole_batch` (static batching)."""
         cfg, sampling, drafter, controller = self.cfg, self.sampling, self.drafter, self.controller
         b, k, logprobs = s.last.shape[0], drafter.max_draft, self.logprobs
         key, k_draft, k_accept = jax.random.split(s.key, 3)
         live = ~s.done
         if costs is not None:
-            s = dataclasses.replace(s, budget=pricing.draft_length(costs, s.accepted, s.drafted, live))
+            remaining = self.max_new_tokens - s.n if whole_batch else None
+            s = dataclasses.replace(s, budget=pricing.draft_length(costs, s.accepted, s.drafted, live, remaining))
+            controller = pricing.Unstopped(controller, pricing.measured(costs, s.budget))
         d = drafter.draft(params, dparams, cfg, s, controller, sampling, k_draft)
+        longest = jnp.max(jnp.where(live, d.n, 0))
         if costs is not None:  # a drafter that proposes all at once (n-gram lookup) proposed past it
             d = dataclasses.replace(d, n=jnp.minimum(d.n, s.budget))
+            longest = jnp.where(pricing.measured(costs, s.budget), s.budget, jnp.minimum(longest, s.budget))
         positions = s.length[:, None] + jnp.arange(k + 1)[None, :]
         fed = jnp.concatenate([s.last[:, None], d.tokens], axis=1)
 
@@ -173,7 +178,7 @@ class Run:
             (h, target_logits), cache = d.verified, d.cache
         else:
             widths = verify_widths(k, self.platform, plain=costs is not None)
-            width = decoder.Width(widths, width_index(widths, jnp.max(jnp.where(live, d.n, 0))))
+            width = decoder.Width(widths, width_index(widths, longest))
             at = positions
             if drafter.candidates:  # alternatives all sit at length + 1; chains too only where the Draft says
                 side = jnp.minimum(positions, s.length[:, None] + 1)
@@ -240,6 +245,6 @@ def generate(params, dparams, cache: decoder.KVCache, tokens, lens, eos_ids, key
     """
     with run.tracing():
         s = run.start(params, dparams, cache, tokens, lens, eos_ids, key)
-        s = jax.lax.while_loop(lambda s: ~jnp.all(s.done), functools.partial(run.round, params, dparams, eos_ids, costs),
-                               s)
+        one_round = functools.partial(run.round, params, dparams, eos_ids, costs, whole_batch=True)
+        s = jax.lax.while_loop(lambda s: ~jnp.all(s.done), one_round, s)
         return (*run.finish(s), sharding.pin_cache(s.cache, run.mesh))

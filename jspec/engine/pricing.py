@@ -5,9 +5,15 @@ A round that lets each row draft k tokens costs `costs[k]` seconds (k = 0 .. K: 
 step at k = 0), measured on the device for the batch's own program (`measure`), so it holds the
 draft steps, the verification over B x (k + 1) positions and the loop's overhead as they are at
 that batch size. A row whose drafts were accepted at rate a (its own counts so far, from a
-uniform prior) emits 1 + a + .. + a^k tokens in expectation, so the round takes
+uniform prior) emits E(k) = 1 + a + .. + a^k tokens in expectation. Under continuous batching
+every token counts (a row that ends takes the next prompt), so the round takes
 
-    k* = argmax_k  sum over live rows of (1 - a^(k+1)) / (1 - a)  /  costs[k]
+    k* = argmax_k  sum over live rows of E(k)  /  costs[k];
+
+under static batching the batch ends with its last row, so a token counts only where it brings
+that end nearer: the round takes the k that least prolongs the row furthest from its end,
+
+    k* = argmin_k  max over live rows of (tokens it may still emit / E(k))  x  costs[k],
 
 and every row drafts at most k* (its controller may stop it sooner). Priced rounds are lossless
 as any round is: they change how much is drafted, never what is accepted. Where verifying k + 1
@@ -17,6 +23,7 @@ drafts K.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable
 
@@ -26,7 +33,8 @@ import numpy as np
 
 from jspec.errors import JspecError
 
-TIMINGS = 3  # rounds timed one by one at each draft length: the fastest counts
+TIMINGS = 3  # calls timed at each draft length and number of rounds: the fastest counts
+SPAN = 3  # the rounds a length's cost is the time of, beyond a call's first
 CHOICES = ("auto", "on", "off")
 
 
@@ -54,41 +62,84 @@ def resolve(pricing, lossless: bool, max_draft: int, continuous: bool, batch_siz
     return costs
 
 
-def draft_length(costs: jax.Array, accepted: jax.Array, drafted: jax.Array, live: jax.Array) -> jax.Array:
-    """k* (0-d int32) for rows with `accepted` of `drafted` [B] drafts kept so far, over costs [K+1]."""
+def draft_length(costs: jax.Array, accepted: jax.Array, drafted: jax.Array, live: jax.Array,
+                 remaining: jax.Array | None = None) -> jax.Array:
+    """k* (0-d int32) for rows with `accepted` of `drafted` [B] drafts kept so far, over costs [K+1]:
+    for the batch's tokens per second, or, given the tokens each row may still emit `remaining` [B]
+    (static batching), for the batch's end."""
     rate = (accepted.astype(jnp.float32) + 1) / (drafted.astype(jnp.float32) + 2)  # < 1: accepted <= drafted
     k = jnp.arange(costs.shape[0], dtype=jnp.float32)
     expected = (1 - rate[:, None] ** (k + 1)) / (1 - rate[:, None])  # [B, K+1]
-    tokens = jnp.sum(jnp.where(live[:, None], expected, 0.0), axis=0)
-    return jnp.argmax(tokens / costs).astype(jnp.int32)
+    if remaining is None:
+        tokens = jnp.sum(jnp.where(live[:, None], expected, 0.0), axis=0)
+        return jnp.argmax(tokens / costs).astype(jnp.int32)
+    rounds = jnp.max(jnp.where(live[:, None], remaining[:, None] / expected, 0.0), axis=0)
+    return jnp.argmin(rounds * costs).astype(jnp.int32)
 
 
 def forcing(k: int, max_draft: int) -> np.ndarray:
-    """Costs under which every round drafts k: what `measure` times each length with."""
-    return np.where(np.arange(max_draft + 1) == k, 1.0, np.inf).astype(np.float32)
+    """Costs under which every round drafts k: what `measure` times each length with. Their price
+    of zero marks a measured round (`measured`)."""
+    return np.where(np.arange(max_draft + 1) == k, 0.0, np.inf).astype(np.float32)
+
+
+def measured(costs: jax.Array, budget: jax.Array) -> jax.Array:
+    """Whether a round of `budget` under `costs` is one of `measure`'s (0-d bool). Such a round drafts
+    its budget whatever the rows' controllers say and verifies budget + 1 positions whatever they
+    proposed (an n-gram lookup that found no match proposes nothing), so that it costs what a round
+    of that length does: timed otherwise, the fastest of its timings was a round that drafted less."""
+    return costs[budget] == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Unstopped:
+    """`controller` with its rows kept drafting where `forced` (0-d bool: a measured round)."""
+    controller: object
+    forced: jax.Array
+
+    def init(self, batch, max_draft):
+        return self.controller.init(batch, max_draft)
+
+    def keep(self, state, j, confidence, key):
+        go, state = self.controller.keep(state, j, confidence, key)
+        return go | self.forced, state
+
+    def update(self, state, n_draft, n_accepted, live):
+        return self.controller.update(state, n_draft, n_accepted, live)
 
 
 def measure(fill: Callable, advance: Callable, max_draft: int) -> tuple[np.ndarray, object]:
     """costs [K+1]: the seconds of one round at each draft length, timed on the run's own programs.
 
     fill() -> a LoopState of the batch's prompts; advance(s, costs, rounds) -> (s, rounds run):
-    at most `rounds` rounds under `costs`. Each length is the fastest of TIMINGS single rounds
-    (the least disturbed by whatever else the machine does); a round that found every row done
-    is timed again from a new fill. A round that may draft more costs at least as much as one
-    that may draft less (more draft steps, a verification as wide or wider), so the costs are made
-    non-decreasing. Returns them and the last state (its cache is the run's)."""
+    at most `rounds` rounds under `costs`. A length's cost is what SPAN more rounds add to a call:
+    the fastest of TIMINGS calls of 1 + SPAN rounds less the fastest of TIMINGS calls of one (the
+    least disturbed by whatever else the machine does), each round drafting and verifying its whole
+    length (`measured`). The difference leaves out what a call costs whatever its rounds, which a
+    run pays once for many rounds: timed inside single rounds it made drafting look cheap (a call
+    of the default model's bfloat16 program cost 36 ms more than its rounds until
+    `weights.take_rows` stopped widening the whole embedding, against rounds of 22-80 ms). A call
+    that ran fewer rounds than asked (every row done) is timed again from a new fill. A round that
+    may draft more costs at least as much as one that may draft less (more draft steps, a
+    verification as wide or wider), so the costs are made non-decreasing. Returns them and the last state (its cache is the run's)."""
     s = fill()
     s, _ = advance(s, forcing(0, max_draft), 1)  # the first call of a program pays for more than its round
-    out = np.full(max_draft + 1, np.inf, np.float32)
-    for k in range(max_draft + 1):
-        for _ in range(TIMINGS):
+
+    def timed(s, costs, rounds):
+        began = time.perf_counter()
+        s, ran = advance(s, costs, rounds)
+        if ran < rounds:
+            s = fill()
             began = time.perf_counter()
-            s, rounds = advance(s, forcing(k, max_draft), 1)
-            seconds = time.perf_counter() - began
-            if not rounds:
-                s = fill()
-                began = time.perf_counter()
-                s, rounds = advance(s, forcing(k, max_draft), 1)
-                seconds = time.perf_counter() - began
-            out[k] = min(out[k], seconds)
+            s, _ = advance(s, costs, rounds)
+        return s, time.perf_counter() - began
+
+    out = np.zeros(max_draft + 1, np.float32)
+    for k in range(max_draft + 1):
+        fastest = {}
+        for _ in range(TIMINGS):
+            for rounds in (1, 1 + SPAN):
+                s, seconds = timed(s, forcing(k, max_draft), rounds)
+                fastest[rounds] = min(fastest.get(rounds, np.inf), seconds)
+        out[k] = max(fastest[1 + SPAN] - fastest[1], fastest[1] / 100) / SPAN
     return np.maximum.accumulate(out), s

@@ -211,10 +211,7 @@ class Width:
 def embed(params: Params, tokens: jax.Array) -> jax.Array:
     """The residual stream, in the activation dtype of the program being traced: float32 unless
     its Numerics say otherwise (jspec.model.numerics says why). Every later activation keeps it."""
-    table = params["embed"]
-    if weights.is_int8(table):
-        return weights.as_float(weights.take_rows(table, tokens), numerics.activation_dtype())
-    return table[tokens].astype(numerics.activation_dtype())
+    return weights.as_float(weights.take_rows(params["embed"], tokens), numerics.activation_dtype())
 
 
 def run_layers(params: Params, cfg: ModelConfig, h: jax.Array, positions: jax.Array | None, cache: KVCache,

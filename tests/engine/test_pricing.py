@@ -4,14 +4,17 @@ are the device's and the output is still `ar`'s."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.cli import assert_one_error, run as cli_run
+from support.cli import assert_one_error, run as cli_run, tiny  # noqa: F401
 from support.lossless import DRAFTERS, K, NEW, make_spec, run
 from support.spec import ids
 
+from jspec import methods
 from jspec.engine import pricing
+from jspec.engine.sampling import Sampling
 from jspec.errors import JspecError
 
 PRICED_OUT = [float(k + 1) for k in range(K + 1)]  # verifying k + 1 positions costs k + 1 plain steps
@@ -34,6 +37,32 @@ def test_draft_length_maximises_expected_tokens_per_second():
     assert int(pricing.draft_length(jnp.asarray(FREE), accepted * 0, drafted * 0, live)) == K
     # a done row counts for nothing: the live one alone, accepting nearly nothing, prices drafting out
     assert int(pricing.draft_length(costs, accepted, drafted, jnp.asarray([False, True]))) == 0
+
+
+def test_static_batches_draft_for_the_row_furthest_from_its_end():
+    """Under static batching the batch ends with its last row: the row accepting nearly nothing
+    decides, where the sum over rows would draft for the other one."""
+    accepted, drafted, live = jnp.asarray([9, 0]), jnp.asarray([10, 10]), jnp.asarray([True, True])
+    costs, remaining = jnp.asarray([1.0, 1.2, 1.4, 1.6, 1.8]), jnp.asarray([20, 20])
+    assert int(pricing.draft_length(costs, accepted, drafted, live)) > 0
+    assert int(pricing.draft_length(costs, accepted, drafted, live, remaining)) == 0
+    # ... unless it is nearly done: then the other row is the furthest from its end
+    assert int(pricing.draft_length(costs, accepted, drafted, live, jnp.asarray([20, 1]))) > 0
+    assert int(pricing.draft_length(jnp.asarray(PRICED_OUT), accepted, drafted, live, remaining)) == 0
+    assert int(pricing.draft_length(jnp.asarray(FREE), accepted * 0, drafted * 0, live, remaining)) == K
+
+
+@pytest.mark.parametrize("k", [0, 2, K])
+def test_a_measured_round_drafts_its_whole_length(spec, k):
+    """The rounds `measure` times draft k tokens in every live row even where the controller
+    would stop after one (a confidence it never reaches), and keep `ar`'s output."""
+    model = spec.target
+    plan = methods.build("early-exit", model, exit_layer=1, max_draft=K, controller="confidence", threshold=1.0)
+    batch = model.requests(spec.prompts)[:4]
+    records = model.run_batch(batch, 4, NEW, Sampling(), jax.random.key(0), plan, costs=pricing.forcing(k, K))
+    assert ids(records) == spec.ar[:4]
+    for r in records:
+        assert r["stats"]["drafted"] == k * (r["stats"]["rounds"] - 1)
 
 
 # every drafter, in static batches (one program each: the round is the same); two under continuous
@@ -75,6 +104,23 @@ def test_measured_costs_are_the_devices_and_lossless(spec):
 def test_bad_pricing_is_refused(spec, pricing_, phrase):
     with pytest.raises(JspecError, match=phrase):
         run(spec, "ngram", pricing=pricing_)
+
+
+def test_calibrate_prints_a_cost_per_draft_length(capsys, tiny):
+    code, out, err = cli_run(capsys, "calibrate", "--model", tiny, "--method", "ngram", "--batch-size", 2,
+                             "--max-new-tokens", 8, "--max-draft", 3)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0] == "ngram at batch size 2, cpu: milliseconds a round by draft length"
+    table = [line.split() for line in lines[2:6]]
+    assert [int(row[0]) for row in table] == [0, 1, 2, 3]
+    ms = [float(row[1]) for row in table]
+    assert all(0 < a <= b for a, b in zip(ms, ms[1:])) and float(table[0][2]) == 1.0
+    assert lines[7].startswith("draft length") and all(0 <= int(k) <= 3 for k in lines[7].split()[2:])
+
+
+def test_calibrate_refuses_a_method_that_does_not_draft(capsys, tiny):
+    assert_one_error(*cli_run(capsys, "calibrate", "--model", tiny, "--method", "ar"), "--method ar is not priced")
 
 
 def test_cli_refuses_a_bad_pricing(capsys):

@@ -38,6 +38,23 @@ def test_gathered_rows_dequantize_as_the_matrix_does():
                                       np.asarray(weights.dequantize(w))[np.asarray(idx)])
 
 
+def test_bfloat16_rows_are_taken_without_widening_the_table():
+    """An embedding lookup in a loop over a bfloat16 table: the rows are the table's, and the loop
+    carries the table as it is, not a float32 copy (XLA:CPU takes bfloat16 rows in float32, and
+    without the barrier widened the whole table before the loop, once a call)."""
+    table = jnp.asarray(np.random.default_rng(2).standard_normal((4096, 48)), jnp.bfloat16)
+    idx = jnp.array([[7, 4095], [0, 7]])
+
+    def lookups(table, idx):
+        step = lambda i, acc: acc + weights.as_float(weights.take_rows(table, (idx + i) % 4096))  # noqa: E731
+        return jax.lax.fori_loop(0, 3, step, jnp.zeros((2, 2, 48), jnp.float32))
+
+    np.testing.assert_array_equal(np.asarray(weights.take_rows(table, idx)), np.asarray(table)[np.asarray(idx)])
+    hlo = jax.jit(lookups).lower(table, idx).compile().as_text()
+    [loop] = [line for line in hlo.splitlines() if " while(" in line]  # what the loop carries
+    assert "bf16[4096,48]" in loop and "f32[4096,48]" not in loop
+
+
 def test_cast_makes_the_tree_abstract_describes(tiny_llama):
     cast = weights.cast(tiny_llama.params, "int8")
     want = weights.abstract(layout.param_shapes(tiny_llama.cfg), "int8")

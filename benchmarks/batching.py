@@ -6,11 +6,11 @@
 For each batch size and method (`ar` only where named), the prompts (Spec-Bench's questions by
 default, `--limit` of each category) run under `--batching static` and then `--batching
 continuous`, greedy, in one process. Per run: tokens/s (the new tokens over the Model's clock,
-which leaves compiles out, as records' `seconds` do), and useful row-steps: the rounds rows spent decoding (each record's `rounds` less
-its prefill) over the rows times the rounds the batch ran (`batch_rounds`: a static batch's own,
-summed over its batches; for a continuous run, the run's); also the programs the run compiled and
-the seconds that took (left out of tokens/s). The continuous run's tokens must be
-the static run's, row for row: the script says where they are not.
+which leaves compiles out, as records' `seconds` do), and useful row-steps: the rounds rows spent
+decoding (each record's `rounds` less its prefill) over the rows times the rounds the batch ran
+(`batch_rounds`: a static batch's own, summed over its batches; for a continuous run, the run's);
+also the programs the run compiled and the seconds that took (left out of tokens/s). The
+continuous run's tokens must be the static run's, row for row: the script says where they are not.
 """
 
 from __future__ import annotations

@@ -165,12 +165,13 @@ class Run:
         if costs is not None:
             remaining = self.max_new_tokens - s.n if whole_batch else None
             s = dataclasses.replace(s, budget=pricing.draft_length(costs, s.accepted, s.drafted, live, remaining))
-            controller = pricing.Unstopped(controller, pricing.measured(costs, s.budget))
+            measured = pricing.measured(costs, s.budget)
+            controller = pricing.Unstopped(controller, measured)
         d = drafter.draft(params, dparams, cfg, s, controller, sampling, k_draft)
         longest = jnp.max(jnp.where(live, d.n, 0))
         if costs is not None:  # a drafter that proposes all at once (n-gram lookup) proposed past it
             d = dataclasses.replace(d, n=jnp.minimum(d.n, s.budget))
-            longest = jnp.where(pricing.measured(costs, s.budget), s.budget, jnp.minimum(longest, s.budget))
+            longest = jnp.where(measured, s.budget, jnp.minimum(longest, s.budget))
         positions = s.length[:, None] + jnp.arange(k + 1)[None, :]
         fed = jnp.concatenate([s.last[:, None], d.tokens], axis=1)
 

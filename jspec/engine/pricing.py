@@ -93,12 +93,10 @@ def measured(costs: jax.Array, budget: jax.Array) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class Unstopped:
-    """`controller` with its rows kept drafting where `forced` (0-d bool: a measured round)."""
+    """`controller` with its rows kept drafting where `forced` (0-d bool: a measured round), inside
+    a round (the loop's start takes the controller's own `init`)."""
     controller: object
     forced: jax.Array
-
-    def init(self, batch, max_draft):
-        return self.controller.init(batch, max_draft)
 
     def keep(self, state, j, confidence, key):
         go, state = self.controller.keep(state, j, confidence, key)
@@ -121,7 +119,8 @@ def measure(fill: Callable, advance: Callable, max_draft: int) -> tuple[np.ndarr
     `weights.take_rows` stopped widening the whole embedding, against rounds of 22-80 ms). A call
     that ran fewer rounds than asked (every row done) is timed again from a new fill. A round that
     may draft more costs at least as much as one that may draft less (more draft steps, a
-    verification as wide or wider), so the costs are made non-decreasing. Returns them and the last state (its cache is the run's)."""
+    verification as wide or wider), so the costs are made non-decreasing. Returns them and the
+    last state (its cache is the run's)."""
     s = fill()
     s, _ = advance(s, forcing(0, max_draft), 1)  # the first call of a program pays for more than its round
 

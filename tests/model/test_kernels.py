@@ -9,9 +9,11 @@ JSPEC_NATIVE=0). The choice is made at trace time, so each switch clears jax's c
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +70,25 @@ def test_int8_row_gets_the_same_bits_in_any_batch(kernel):
     full = np.asarray(jax.jit(kernels.matmul)(x, w))
     for rows in (1, 3, 16, 17, 72):
         np.testing.assert_array_equal(np.asarray(jax.jit(kernels.matmul)(x[:rows], w)), full[:rows])
+
+
+def test_helpers_that_slept_and_calls_side_by_side_give_the_same_bits(kernel):
+    """The kernels' helper threads (common.h) after they fell asleep, and while two threads call
+    the kernels at once (each call's job may replace the other's before a helper takes it): every
+    result is the one a call alone gives."""
+    x, w = random((5, 100), 6), random((97 * 48, 100), 7)
+    product = jax.jit(kernels.matmul)
+    want = np.asarray(product(x, w))
+    before = kernels.spin(0)  # the helpers sleep between calls
+    try:
+        for _ in range(3):
+            time.sleep(0.01)
+            np.testing.assert_array_equal(np.asarray(product(x, w)), want)
+    finally:
+        kernels.spin(before)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        for got in pool.map(lambda _: np.asarray(product(x, w)), range(64)):
+            np.testing.assert_array_equal(got, want)
 
 
 def test_int8_gradient_flows_through_the_rows(kernel):

@@ -67,18 +67,34 @@ def _load() -> str | None:
         return f"jspec/model/kernels/_native could not be loaded: {e}"
     if not lib.jspec_cpu_supported():
         return "this CPU lacks AVX2 or FMA"
-    if not hasattr(lib, "JspecMatmulInt8"):  # built from an older jspec's sources
+    if not hasattr(lib, "jspec_set_spin_us"):  # built from an older jspec's sources
         return "jspec/model/kernels/_native is out of date: pip install jspec again to rebuild it"
     jax.ffi.register_ffi_target(TARGETS[jnp.dtype(jnp.float32)], jax.ffi.pycapsule(lib.JspecMatmul), platform="cpu")
     jax.ffi.register_ffi_target(TARGETS[jnp.dtype(jnp.bfloat16)], jax.ffi.pycapsule(lib.JspecMatmulBf16), platform="cpu")
     jax.ffi.register_ffi_target("jspec_matmul_int8", jax.ffi.pycapsule(lib.JspecMatmulInt8), platform="cpu")
     jax.ffi.register_ffi_target("jspec_attention", jax.ffi.pycapsule(lib.JspecAttention), platform="cpu")
+    global _lib
+    _lib = lib
     return None
+
+
+_lib = None  # the loaded library, where it loaded
 
 
 unavailable = _load()  # why the CPU's kernels are not used; None when they are available
 enabled = unavailable is None  # read by `takes` and `takes_attention` at trace time
 gpu_enabled = WANTED  # read by `takes_gpu_attention` at trace time
+
+
+def spin(micros: int) -> int:
+    """Set how long the CPU kernels' helper threads spin for the next call before they sleep (0:
+    they sleep at once); returns what it was (300 microseconds unless changed). For probes that
+    weigh it in one process (benchmarks/probes/kernel_spin.py) and tests; common.h, beside the
+    kernels, says why they spin."""
+    if _lib is None:
+        raise RuntimeError(f"the CPU kernels are unavailable: {unavailable}")
+    _lib.jspec_set_spin_us.restype = ctypes.c_long
+    return _lib.jspec_set_spin_us(ctypes.c_long(micros))
 
 
 @contextlib.contextmanager

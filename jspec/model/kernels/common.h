@@ -1,5 +1,5 @@
 // What jspec's native kernels (matmul.cc, attention.cc) share: the AVX2 + FMA target, the
-// horizontal sum of 8 lanes, and the way one call spreads its work over XLA's CPU thread pool.
+// horizontal sum of 8 lanes, and the way one call spreads its work over the CPU's cores.
 //
 // Only functions marked AVX2 are compiled for AVX2 + FMA (target attributes), so the library
 // loads on any x86-64 CPU and jspec_cpu_supported() tells Python whether it may be used.
@@ -10,8 +10,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <utility>
 
@@ -28,22 +32,104 @@ AVX2 inline float Sum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Runs body(item) for every item in [0, items), on the calling thread and on helpers from XLA's
-// pool (one per further core), and returns when every item has run. Items are claimed from a
-// counter, not split up front: the caller never waits for a helper that has not started (no
-// deadlock when the pool is busy), and a core slowed by another process takes fewer. The state
-// is shared through a shared_ptr: a helper the pool starts after the call has returned finds no
-// item left and only drops its reference.
+// A call's work, claimed item by item by whoever runs it: the calling thread and the helpers.
+class Job {
+ public:
+  virtual ~Job() = default;
+  virtual void Run() = 0;
+};
+
+// The threads that help the kernels' calls, one per core beyond the caller's (as many as XLA's
+// pool has, less one), started at the first call and kept for the process.
+//
+// Why threads of jspec's own and not XLA's pool, to which the kernels gave their work before: a
+// helper that sleeps between calls wakes too late for a call of 20-80 microseconds, the most of
+// a decode step's (a layer's four matrices at batch size 1), and the caller then reads the
+// weight alone at half the memory's pace. So after each call a helper waits for the next by
+// spinning for kSpinMicros (`jspec_set_spin_us` changes it, for benchmarks/probes/kernel_spin.py)
+// before it sleeps; it yields its core while it spins, so a thread that wants the core (XLA's
+// own, another process's) gets it. docs/design.md, "Helpers that spin", has the measurements.
+class Helpers {
+ public:
+  static constexpr long kSpinMicros = 300;
+
+  // The process's helpers, as many as `threads` (XLA's pool) allows beside the caller.
+  static Helpers& Get(int64_t threads) {
+    static Helpers* helpers = new Helpers(threads);  // never destroyed: its threads outlive main
+    return *helpers;
+  }
+
+  static std::atomic<long>& SpinMicros() {
+    static std::atomic<long> spin{kSpinMicros};
+    return spin;
+  }
+
+  int64_t count() const { return count_; }
+
+  // Hands `job` to every helper (it replaces a job they have not taken: that one's caller runs
+  // what is left of it itself).
+  void Post(std::shared_ptr<Job> job) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      job_ = std::move(job);
+      generation_.fetch_add(1, std::memory_order_release);
+    }
+    if (sleeping_.load(std::memory_order_acquire) > 0) wake_.notify_all();
+  }
+
+ private:
+  explicit Helpers(int64_t threads)
+      : count_(std::max<int64_t>(0, std::min<int64_t>(threads, std::thread::hardware_concurrency()) - 1)) {
+    for (int64_t i = 0; i < count_; ++i) std::thread([this] { Work(); }).detach();
+  }
+
+  void Work() {
+    uint64_t seen = generation_.load(std::memory_order_acquire);
+    for (;;) {
+      const auto since = std::chrono::steady_clock::now();
+      while (generation_.load(std::memory_order_acquire) == seen) {
+        if (std::chrono::steady_clock::now() - since > std::chrono::microseconds(SpinMicros().load())) {
+          std::unique_lock<std::mutex> lock(mutex_);
+          sleeping_.fetch_add(1, std::memory_order_acq_rel);
+          wake_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
+          sleeping_.fetch_sub(1, std::memory_order_acq_rel);
+          break;
+        }
+        std::this_thread::yield();
+      }
+      std::shared_ptr<Job> job;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        seen = generation_.load(std::memory_order_acquire);
+        job = job_;
+      }
+      job->Run();
+    }
+  }
+
+  const int64_t count_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::shared_ptr<Job> job_;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> sleeping_{0};
+};
+
+// Runs body(item) for every item in [0, items), on the calling thread and on the helpers, and
+// returns when every item has run. Items are claimed from a counter, not split up front: the
+// caller never waits for a helper that has not started, and a core slowed by another process
+// takes fewer. The job is shared through a shared_ptr: a helper that comes to it after the call
+// has returned finds no item left and only drops its reference.
 template <typename Body>
 void ParallelFor(xla::ffi::ThreadPool& pool, int64_t items, Body body) {
-  struct State {
+  struct State : Job {
     State(Body body, int64_t items) : body(std::move(body)), items(items) {}
     Body body;
     int64_t items;
     std::atomic<int64_t> next{0};
     std::atomic<int64_t> done{0};
 
-    void Run() {
+    void Run() override {
       for (int64_t item; (item = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
         body(item);
         done.fetch_add(1, std::memory_order_release);
@@ -51,8 +137,8 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t items, Body body) {
     }
   };
   auto state = std::make_shared<State>(std::move(body), items);
-  const int64_t threads = std::min<int64_t>(pool.num_threads(), std::thread::hardware_concurrency());
-  for (int64_t i = 1; i < std::min(threads, items); ++i) pool.Schedule([state] { state->Run(); });
+  Helpers& helpers = Helpers::Get(pool.num_threads());
+  if (items > 1 && helpers.count() > 0) helpers.Post(state);
   state->Run();
   while (state->done.load(std::memory_order_acquire) < items) std::this_thread::yield();
 }

@@ -255,6 +255,10 @@ auto Int8Binding() {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecMatmulInt8, MatmulInt8, Int8Binding());
 
+// How long the kernels' helpers spin for the next call before they sleep (common.h: Helpers),
+// from now on; returns how long they spun until now.
+extern "C" long jspec_set_spin_us(long us) { return jspec::Helpers::SpinMicros().exchange(us); }
+
 extern "C" int jspec_cpu_supported() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");

@@ -52,36 +52,32 @@ MAX_QUERIES = 32
 WANTED = os.environ.get("JSPEC_NATIVE") != "0"  # JSPEC_NATIVE=0 turns every kernel off
 
 
-def _load() -> str | None:
-    """Register the kernel with XLA; returns why it cannot be used, or None."""
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    """Register the kernels with XLA: (the library, None), or (None, why they cannot be used)."""
     if not WANTED:
-        return "JSPEC_NATIVE=0 is set"
+        return None, "JSPEC_NATIVE=0 is set"
     here = Path(__file__).parent
     built = [here / f"_native{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES]
     built = [p for p in built if p.is_file()]
     if not built:
-        return "the extension jspec/model/kernels/_native was not built (pip install's log says why)"
+        return None, "the extension jspec/model/kernels/_native was not built (pip install's log says why)"
     try:
         lib = ctypes.CDLL(str(built[0]))
     except OSError as e:  # built for another system, say
-        return f"jspec/model/kernels/_native could not be loaded: {e}"
+        return None, f"jspec/model/kernels/_native could not be loaded: {e}"
     if not lib.jspec_cpu_supported():
-        return "this CPU lacks AVX2 or FMA"
+        return None, "this CPU lacks AVX2 or FMA"
     if not hasattr(lib, "jspec_set_spin_us"):  # built from an older jspec's sources
-        return "jspec/model/kernels/_native is out of date: pip install jspec again to rebuild it"
+        return None, "jspec/model/kernels/_native is out of date: pip install jspec again to rebuild it"
     jax.ffi.register_ffi_target(TARGETS[jnp.dtype(jnp.float32)], jax.ffi.pycapsule(lib.JspecMatmul), platform="cpu")
     jax.ffi.register_ffi_target(TARGETS[jnp.dtype(jnp.bfloat16)], jax.ffi.pycapsule(lib.JspecMatmulBf16), platform="cpu")
     jax.ffi.register_ffi_target("jspec_matmul_int8", jax.ffi.pycapsule(lib.JspecMatmulInt8), platform="cpu")
     jax.ffi.register_ffi_target("jspec_attention", jax.ffi.pycapsule(lib.JspecAttention), platform="cpu")
-    global _lib
-    _lib = lib
-    return None
+    lib.jspec_set_spin_us.restype = ctypes.c_long
+    return lib, None
 
 
-_lib = None  # the loaded library, where it loaded
-
-
-unavailable = _load()  # why the CPU's kernels are not used; None when they are available
+_lib, unavailable = _load()  # the CPU kernels' library, or why they are not used
 enabled = unavailable is None  # read by `takes` and `takes_attention` at trace time
 gpu_enabled = WANTED  # read by `takes_gpu_attention` at trace time
 
@@ -93,7 +89,6 @@ def spin(micros: int) -> int:
     kernels, says why they spin."""
     if _lib is None:
         raise RuntimeError(f"the CPU kernels are unavailable: {unavailable}")
-    _lib.jspec_set_spin_us.restype = ctypes.c_long
     return _lib.jspec_set_spin_us(ctypes.c_long(micros))
 
 

@@ -84,7 +84,7 @@ gpu_enabled = WANTED  # read by `takes_gpu_attention` at trace time
 
 def spin(micros: int) -> int:
     """Set how long the CPU kernels' helper threads spin for the next call before they sleep (0:
-    they sleep at once); returns what it was (300 microseconds unless changed). For probes that
+    they sleep at once); returns what it was (1000 microseconds unless changed). For probes that
     weigh it in one process (benchmarks/probes/kernel_spin.py) and tests; common.h, beside the
     kernels, says why they spin."""
     if _lib is None:

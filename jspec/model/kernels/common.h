@@ -51,7 +51,7 @@ class Job {
 // own, another process's) gets it. docs/design.md, "Helpers that spin", has the measurements.
 class Helpers {
  public:
-  static constexpr long kSpinMicros = 300;
+  static constexpr long kSpinMicros = 1000;
 
   // The process's helpers, as many as `threads` (XLA's pool) allows beside the caller.
   static Helpers& Get(int64_t threads) {

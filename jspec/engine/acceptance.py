@@ -129,6 +129,8 @@ def candidates(cands: jax.Array, n_cands: jax.Array, target_logits: jax.Array, s
     Returns (n_accepted [B] (0 or 1), pick [B]: the accepted candidate's index, next_token [B])."""
     first_key, next_key = jax.random.split(key)
     first = next_token(target_logits[:, 0], sampling, first_key)
+    if not cands.shape[1]:  # a verification of the last token alone (a round that drafted nothing)
+        return jnp.zeros_like(n_cands), jnp.zeros_like(n_cands), first
     match = (cands == first[:, None]) & (jnp.arange(cands.shape[1]) < n_cands[:, None])
     pick = jnp.argmax(match, axis=1).astype(jnp.int32)
     after = next_token(_at(target_logits, 1 + pick), sampling, next_key)

@@ -159,7 +159,7 @@ class Run:
         With `costs` [K+1] (jspec.engine.pricing) the round drafts as many tokens as they say pays:
         for the batch's end where the batch runs as a `whole_batch` (static batching)."""
         cfg, sampling, drafter, controller = self.cfg, self.sampling, self.drafter, self.controller
-        b, k, logprobs = s.last.shape[0], drafter.max_draft, self.logprobs
+        b, k = s.last.shape[0], drafter.max_draft
         key, k_draft, k_accept = jax.random.split(s.key, 3)
         live = ~s.done
         if costs is not None:
@@ -175,8 +175,10 @@ class Run:
         positions = s.length[:, None] + jnp.arange(k + 1)[None, :]
         fed = jnp.concatenate([s.last[:, None], d.tokens], axis=1)
 
+        judge = functools.partial(self._judge, params, dparams, d, k_accept)
         if d.verified is not None:
             (h, target_logits), cache = d.verified, d.cache
+            n_acc, pick, nxt, top = judge(h, target_logits)
         else:
             widths = verify_widths(k, self.platform, plain=costs is not None)
             width = decoder.Width(widths, width_index(widths, longest))
@@ -185,25 +187,18 @@ class Run:
                 side = jnp.minimum(positions, s.length[:, None] + 1)
                 at = side if d.alternatives is None else jnp.where(d.alternatives[:, None], side, positions)
             h, cache = drafter.verify(params, dparams, cfg, fed, at, d.cache, d.dstate, width)
-            target_logits = width.run(lambda h: drafter.target_logits(params, dparams, cfg, h, d.dstate, sampling),
-                                      h)
+            n_acc, pick, nxt, top = width.apply(judge, h)
         dstate = d.dstate
-        if not drafter.candidates:
-            n_acc, nxt = _chain_rule(drafter, d, target_logits, sampling, k_accept)
-        else:
-            n_acc, pick, nxt = acceptance.candidates(d.tokens, d.n, target_logits, sampling, k_accept)
-            if d.alternatives is not None:
-                n_chain, nxt_chain = _chain_rule(drafter, d, target_logits, sampling, k_accept)
-                alt = d.alternatives
-                n_acc, nxt, pick = (jnp.where(alt, n_acc, n_chain), jnp.where(alt, nxt, nxt_chain),
-                                    jnp.where(alt, pick, 0))
+        if drafter.candidates:
             # From here on the round is the chain [last, accepted candidate, ...]: the accepted one
             # swapped into slot 1 and its cache entries moved to position length + 1.
             slot = jnp.arange(k + 1)[None, :]
             chosen = 1 + pick[:, None]
             order = jnp.where(slot == 1, chosen, jnp.where(slot == chosen, 1, slot))
             fed = jnp.take_along_axis(fed, order, axis=1)
-            h, target_logits = (jnp.take_along_axis(x, order[..., None], axis=1) for x in (h, target_logits))
+            h = jnp.take_along_axis(h, order[..., None], axis=1)
+            if top is not None:
+                top = tuple(jnp.take_along_axis(x, order[..., None], axis=1) for x in top)
             cache, dstate = drafter.keep_candidate(params, dparams, cfg, cache, dstate, s.length + 1 + pick,
                                                    s.length + 1)
         emitted = jnp.concatenate([fed[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
@@ -213,8 +208,34 @@ class Run:
         s = dataclasses.replace(s, cache=cache, key=key, dstate=dstate, cstate=cstate, steps=s.steps + 1,
                                 rounds=s.rounds + live, drafted=s.drafted + live * d.n,
                                 accepted=s.accepted + live * n_acc)
-        top = top_logprobs(target_logits, logprobs) if logprobs else None
         return _emit(s, emitted, n_acc + 1, eos_ids, self.max_new_tokens, top)
+
+    def _judge(self, params, dparams, d, key, h, target_logits=None):
+        """What the target keeps of draft d, from its states h [B, W, D] at the first W positions
+        of the round (W <= K + 1: a verification's width, every live row's draft within it) or its
+        logits there: (n_accepted [B], the accepted candidate [B] (drafters with candidates, else
+        None), next token [B], the top logprobs [B, K+1, k] or None). The logits are taken at W
+        positions and judged there, never padded to K + 1: padded, a round that verified one
+        position cost 1.19x `ar`'s step at batch 32 in bfloat16 (docs/design.md)."""
+        drafter, sampling, logprobs, k = self.drafter, self.sampling, self.logprobs, self.drafter.max_draft
+        if target_logits is None:
+            target_logits = drafter.target_logits(params, dparams, self.cfg, h, d.dstate, sampling)
+        d = d.first(h.shape[1] - 1)
+        pick = None
+        if not drafter.candidates:
+            n_acc, nxt = _chain_rule(drafter, d, target_logits, sampling, key)
+        else:
+            n_acc, pick, nxt = acceptance.candidates(d.tokens, d.n, target_logits, sampling, key)
+            if d.alternatives is not None:
+                n_chain, nxt_chain = _chain_rule(drafter, d, target_logits, sampling, key)
+                alt = d.alternatives
+                n_acc, nxt, pick = (jnp.where(alt, n_acc, n_chain), jnp.where(alt, nxt, nxt_chain),
+                                    jnp.where(alt, pick, 0))
+        top = None
+        if logprobs:
+            pad = [(0, 0), (0, k + 1 - h.shape[1]), (0, 0)]
+            top = tuple(jnp.pad(x, pad) for x in top_logprobs(target_logits, logprobs))
+        return n_acc, pick, nxt, top
 
     def finish(self, s: LoopState):
         """(out [B, max_new_tokens] with -1 past each row's end, stats dict of [B] arrays)."""

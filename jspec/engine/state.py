@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 from jspec.model import decoder
 
@@ -59,3 +60,10 @@ class Draft:
     # [B] how many of tokens such a drafter keeps, when its rule needed more than the one chain it
     # hands the round (MJSD's tree judges every beam); None: the drafter's `accept` decides.
     kept: jax.Array | None = None
+
+    def first(self, j: int) -> "Draft":
+        """The draft cut to its first j slots (a verification of j + 1 positions), its rows'
+        counts with it."""
+        cut = lambda x: None if x is None else x[:, :j]  # noqa: E731
+        return dataclasses.replace(self, tokens=self.tokens[:, :j], probs=cut(self.probs), n=jnp.minimum(self.n, j),
+                                   logq=cut(self.logq))

@@ -196,16 +196,22 @@ class Width:
 
     def run(self, fn, *xs):
         """fn over xs [B, W, ...] at the chosen size -> its outputs padded back to [B, W, ...]."""
+        def padded(*xs):
+            pad = lambda y: jnp.pad(y, [(0, 0), (0, self.sizes[-1] - y.shape[1])] + [(0, 0)] * (y.ndim - 2))  # noqa: E731
+            return jax.tree.map(pad, fn(*xs))
+
+        return self.apply(padded, *xs)
+
+    def apply(self, fn, *xs):
+        """fn over xs [B, W, ...] at the chosen size -> its outputs as they are, which must have the
+        same shapes at every size (what a round decides from its verification: jspec.engine.loop)."""
         if len(self.sizes) == 1:
             return fn(*xs)
+        return jax.lax.switch(self.index, [functools.partial(_leading, fn, size) for size in self.sizes], *xs)
 
-        def at(size):
-            def branch(*xs):
-                pad = lambda y: jnp.pad(y, [(0, 0), (0, self.sizes[-1] - size)] + [(0, 0)] * (y.ndim - 2))  # noqa: E731
-                return jax.tree.map(pad, fn(*(x[:, :size] for x in xs)))
-            return branch
 
-        return jax.lax.switch(self.index, [at(size) for size in self.sizes], *xs)
+def _leading(fn, size: int, *xs):
+    return fn(*(x[:, :size] for x in xs))
 
 
 def embed(params: Params, tokens: jax.Array) -> jax.Array:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.cli import assert_one_error, run as cli_run, tiny  # noqa: F401
-from support.lossless import DRAFTERS, K, NEW, make_spec, run
+from support.lossless import CANDIDATES, DRAFTERS, K, NEW, make_spec, method_options, run
 from support.spec import ids
 
 from jspec import methods
@@ -74,6 +74,18 @@ def test_priced_out_is_ar_round_for_round(spec, drafter, batching):
     assert ids(records) == spec.ar
     for r in records:
         assert (r["stats"]["drafted"], r["stats"]["rounds"]) == (0, r["new_tokens"])
+
+
+@pytest.mark.parametrize("costs", [[float(k + 1) for k in range(CANDIDATES + 1)], [1.0] * (CANDIDATES + 1)])
+def test_priced_candidates_are_ar(spec, costs):
+    """Candidates side by side (an EAGLE head's top C), priced out (a round that verifies the last
+    token alone, with no candidate to judge) and free: `ar`'s tokens either way."""
+    method, opts = method_options(spec, "eagle", {})
+    records = spec.target.generate(spec.prompts, method=method, max_new_tokens=NEW, batch_size=4, batching="static",
+                                   candidates=CANDIDATES, pricing=costs, **opts)
+    assert ids(records) == spec.ar
+    drafted = [r["stats"]["drafted"] for r in records]
+    assert sum(drafted) == 0 if costs[-1] > 1 else min(drafted) > 0
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "draft"])

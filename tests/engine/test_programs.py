@@ -193,3 +193,36 @@ def test_one_width_decodes_what_the_widths_do(model, method, monkeypatch):
         assert [r["token_ids"] for r in got] == [r["token_ids"] for r in want]
         assert [r["stats"]["accepted"] for r in got] == [r["stats"]["accepted"] for r in want]
     assert sum(r["stats"]["accepted"] for r in want) > 0  # the drafts were tried, and some kept
+
+
+def conditional_outputs(jaxpr) -> list[tuple[int, ...]]:
+    """The shapes of what every conditional in a jaxpr and the jaxprs inside it returns."""
+    shapes = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond":
+            shapes += [tuple(v.aval.shape) for v in eqn.outvars]
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(inner, "jaxpr", inner)
+                if isinstance(inner, jax.extend.core.Jaxpr):
+                    shapes += conditional_outputs(inner)
+    return shapes
+
+
+@pytest.mark.parametrize("method, logprobs", [("ngram", 0), ("ngram", 3), ("layer-skip", 0)])
+def test_a_round_judges_its_drafts_at_the_width_it_verified(model, method, logprobs):
+    """A CPU round verifies at one of a few widths (a conditional each); the target's logits there
+    are judged in the same branch, never padded to K + 1 positions: no conditional of a priced
+    program (which has width 1, a plain step) returns an array of the vocabulary's size (padded,
+    such a round cost 1.19x `ar`'s step at batch 32 in bfloat16)."""
+    drafter, dparams, controller = methods.build(method, model, **OPTIONS[method])
+    tokens, lens = model.prompt_rows(model.requests([{"token_ids": [5, 6, 7, 5, 6, 7]}] * 2), 2, LENGTH)
+    cache = decoder.KVCache.zeros(model.cfg, 2, LENGTH, jnp.float32)
+    run = loop.Run(model.cfg, Sampling(), NEW, drafter, controller, logprobs=logprobs)
+    costs = jnp.ones(drafter.max_draft + 1, jnp.float32)
+    traced = jax.make_jaxpr(functools.partial(loop.generate, run=run))(
+        model.params, dparams, cache, jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray([-1]), jax.random.key(0),
+        costs)
+    shapes = conditional_outputs(traced.jaxpr)
+    assert len(shapes) >= 2 * model.cfg.num_layers  # the widths' branches are there
+    assert not [s for s in shapes if model.cfg.vocab_size in s]

@@ -8,8 +8,8 @@ For each batch size the first B Spec-Bench questions are prefilled into a batch 
 `--passes` times, each method in turn runs a call of 1 and a call of 1 + `--rounds` rounds
 (`slots.advance`), every round of a priced method forced to draft nothing (`pricing.forcing(0)`).
 A round's time is the difference over `--rounds`, the fastest of the passes counting (as
-jspec.engine.pricing.measure takes it). A call that ran fewer rounds than asked (rows done) is
-timed again from a new fill. Prints ms a round and the ratio to the first method's.
+jspec.engine.pricing.measure takes it, with its `timed`). Prints ms a round and the ratio to the
+first method's.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout
@@ -33,37 +32,35 @@ from jspec.engine.sampling import Sampling  # noqa: E402
 
 
 def timer(model, requests, rows: int, method: str, max_new: int):
-    """seconds(rounds): the wall time of a call of that many rounds of `method`'s plain rounds."""
+    """seconds(rounds): the wall time of a call of that many of `method`'s rounds, each drafting
+    nothing, on the batch's continuous-batching programs, called as Model.round_costs calls them
+    (jspec.engine.pricing.measure's fill and advance)."""
     plan = methods.build(method, model)
-    drafter = plan[0]
-    length = model.cache_length(requests, max_new, drafter.max_draft)
+    k = plan[0].max_draft
+    length = model.cache_length(requests, max_new, k)
     tokens, lens = model.prompt_rows(requests, rows, length)
     run = functools.partial(model._run_program, plan=plan, max_new=max_new, sampling=Sampling(), logprobs=0)
     eos, idle = model._eos(), np.zeros(rows, bool)
-    costs = model._on_all(pricing.forcing(0, drafter.max_draft)) if drafter.max_draft else None
+    costs = pricing.forcing(0, k) if k else None
 
     def fill():
         return run(slots.fill, rows, length, model._cache(rows, length), model._rows(tokens), model._rows(lens),
                    model._rows(~idle), eos, jax.random.key(0))[0]
 
+    def advance(s, costs, rounds):
+        steps = int(s.steps)
+        (s, *_), _ = run(slots.advance, rows, length, s, eos, model._rows(idle), np.int32(rows + 1),
+                         model._on_all(costs), np.int32(steps + rounds))
+        return s, int(s.steps) - steps
+
     state = {"s": fill()}
 
-    def advance(rounds):
-        s = state["s"]
-        steps = int(s.steps)
-        began = time.perf_counter()
-        (s, *_), _ = run(slots.advance, rows, length, s, eos, model._rows(idle), np.int32(rows + 1), costs,
-                         np.int32(steps + rounds))
-        ran = int(s.steps) - steps
-        seconds = time.perf_counter() - began
-        state["s"] = s
-        if ran < rounds:
-            state["s"] = fill()
-            return advance(rounds)
-        return seconds
+    def seconds(rounds: int) -> float:
+        state["s"], took = pricing.timed(fill, advance, state["s"], costs, rounds)
+        return took
 
-    advance(1)  # compiles
-    return advance
+    seconds(1)  # compiles
+    return seconds
 
 
 def main() -> None:

@@ -106,6 +106,19 @@ class Unstopped:
         return self.controller.update(state, n_draft, n_accepted, live)
 
 
+def timed(fill: Callable, advance: Callable, s, costs, rounds: int) -> tuple[object, float]:
+    """(s, seconds): `rounds` rounds under `costs` from s, timed (fill and advance as `measure`
+    takes them). A call that ran fewer rounds than asked (every row done) is timed again from a
+    new fill."""
+    began = time.perf_counter()
+    s, ran = advance(s, costs, rounds)
+    if ran < rounds:
+        s = fill()
+        began = time.perf_counter()
+        s, _ = advance(s, costs, rounds)
+    return s, time.perf_counter() - began
+
+
 def measure(fill: Callable, advance: Callable, max_draft: int) -> tuple[np.ndarray, object]:
     """costs [K+1]: the seconds of one round at each draft length, timed on the run's own programs.
 
@@ -116,29 +129,18 @@ def measure(fill: Callable, advance: Callable, max_draft: int) -> tuple[np.ndarr
     length (`measured`). The difference leaves out what a call costs whatever its rounds, which a
     run pays once for many rounds: timed inside single rounds it made drafting look cheap (a call
     of the default model's bfloat16 program cost 36 ms more than its rounds until
-    `weights.take_rows` stopped widening the whole embedding, against rounds of 22-80 ms). A call
-    that ran fewer rounds than asked (every row done) is timed again from a new fill. A round that
-    may draft more costs at least as much as one that may draft less (more draft steps, a
-    verification as wide or wider), so the costs are made non-decreasing. Returns them and the
-    last state (its cache is the run's)."""
+    `weights.take_rows` stopped widening the whole embedding, against rounds of 22-80 ms), each
+    call by `timed`. A round that may draft more costs at least as much as one that may draft less
+    (more draft steps, a verification as wide or wider), so the costs are made non-decreasing.
+    Returns them and the last state (its cache is the run's)."""
     s = fill()
     s, _ = advance(s, forcing(0, max_draft), 1)  # the first call of a program pays for more than its round
-
-    def timed(s, costs, rounds):
-        began = time.perf_counter()
-        s, ran = advance(s, costs, rounds)
-        if ran < rounds:
-            s = fill()
-            began = time.perf_counter()
-            s, _ = advance(s, costs, rounds)
-        return s, time.perf_counter() - began
-
     out = np.zeros(max_draft + 1, np.float32)
     for k in range(max_draft + 1):
         fastest = {}
         for _ in range(TIMINGS):
             for rounds in (1, 1 + SPAN):
-                s, seconds = timed(s, forcing(k, max_draft), rounds)
+                s, seconds = timed(fill, advance, s, forcing(k, max_draft), rounds)
                 fastest[rounds] = min(fastest.get(rounds, np.inf), seconds)
         out[k] = max(fastest[1 + SPAN] - fastest[1], fastest[1] / 100) / SPAN
     return np.maximum.accumulate(out), s

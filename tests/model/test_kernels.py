@@ -73,8 +73,8 @@ def test_int8_row_gets_the_same_bits_in_any_batch(kernel):
 
 
 def test_helpers_that_slept_and_calls_side_by_side_give_the_same_bits(kernel):
-    """The kernels' helper threads (common.h) after they fell asleep, and while two threads call
-    the kernels at once (each call's job may replace the other's before a helper takes it): every
+    """The kernels' helper threads (common.h) after they fell asleep, and while four threads call
+    the kernels at once (each call's job may replace another's before a helper takes it): every
     result is the one a call alone gives."""
     x, w = random((5, 100), 6), random((97 * 48, 100), 7)
     product = jax.jit(kernels.matmul)

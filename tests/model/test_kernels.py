@@ -72,6 +72,40 @@ def test_int8_row_gets_the_same_bits_in_any_batch(kernel):
         np.testing.assert_array_equal(np.asarray(jax.jit(kernels.matmul)(x[:rows], w)), full[:rows])
 
 
+@pytest.fixture
+def avx2_too(kernel):
+    """For tests that run the products' AVX2 paths beside their AVX-512 ones; yields a function
+    that switches between them (the CPU must have both)."""
+    if not kernels.avx512(True):
+        pytest.skip("this CPU lacks AVX-512 (F, BW, VL), so only the AVX2 paths run")
+    yield kernels.avx512
+    kernels.avx512(True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_avx2_and_avx512_tiles_give_the_same_bits(avx2_too, dtype):
+    """Float32 and bfloat16 weights: tiles of up to 8 rows in AVX-512's registers and of up to 4 in
+    AVX2's sum every output alike, so a CPU with AVX-512 emits what one without does. D of 100
+    exercises the tail of an 8-lane step; 13 and 17 rows leave tiles of every size."""
+    product = jax.jit(kernels.matmul)
+    for rows in (1, 5, 8, 13, 17):
+        x, w = random((rows, 100), 8), random((97, 100), 9).astype(dtype)
+        avx2_too(True)
+        wide = np.asarray(product(x, w))
+        avx2_too(False)
+        np.testing.assert_array_equal(np.asarray(product(x, w)), wide, err_msg=f"{rows} rows")
+
+
+@pytest.mark.parametrize("rows", [1, 5, 17])
+def test_int8_avx2_path_equals_the_jax_path(avx2_too, use_native, rows):
+    """An int8 weight on a CPU without AVX-512 (8 lanes a step, not 16): the pure-JAX path's product."""
+    x, w = random((rows, 33), 0), weights.quantize(random((50, 33), 1))
+    avx2_too(False)
+    got = np.asarray(jax.jit(kernels.matmul)(x, w))
+    use_native(False)
+    np.testing.assert_allclose(got, np.asarray(jax.jit(M.linear)(x, w)), atol=1e-4, rtol=1e-5)
+
+
 def test_helpers_that_slept_and_calls_side_by_side_give_the_same_bits(kernel):
     """The kernels' helper threads (common.h) after they fell asleep, and while four threads call
     the kernels at once (each call's job may replace another's before a helper takes it): every

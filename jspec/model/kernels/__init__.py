@@ -67,7 +67,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         return None, f"jspec/model/kernels/_native could not be loaded: {e}"
     if not lib.jspec_cpu_supported():
         return None, "this CPU lacks AVX2 or FMA"
-    if not hasattr(lib, "jspec_set_spin_us"):  # built from an older jspec's sources
+    if not hasattr(lib, "jspec_use_avx512"):  # built from an older jspec's sources
         return None, "jspec/model/kernels/_native is out of date: pip install jspec again to rebuild it"
     jax.ffi.register_ffi_target(TARGETS[jnp.dtype(jnp.float32)], jax.ffi.pycapsule(lib.JspecMatmul), platform="cpu")
     jax.ffi.register_ffi_target(TARGETS[jnp.dtype(jnp.bfloat16)], jax.ffi.pycapsule(lib.JspecMatmulBf16), platform="cpu")
@@ -90,6 +90,14 @@ def spin(micros: int) -> int:
     if _lib is None:
         raise RuntimeError(f"the CPU kernels are unavailable: {unavailable}")
     return _lib.jspec_set_spin_us(ctypes.c_long(micros))
+
+
+def avx512(use: bool) -> bool:
+    """Let the CPU's products take their AVX-512 paths where the CPU has them (the default), or
+    not; returns whether they did. For tests that run the AVX2 paths on a CPU with both."""
+    if _lib is None:
+        raise RuntimeError(f"the CPU kernels are unavailable: {unavailable}")
+    return bool(_lib.jspec_use_avx512(ctypes.c_int(use)))
 
 
 @contextlib.contextmanager

@@ -7,7 +7,7 @@
 // multiply-and-sum jspec used instead costs more per row than it must (docs/design.md, "Few
 // rows"). Here w is read in place, row-major [N, D] as jspec stores it: each output is a dot
 // product along D, so a tile of 4 rows x 3 weight rows keeps 12 accumulators in registers and
-// loads every 8 weight floats once for all 4 rows. A chunk of up to 16 rows walks 3 weight rows
+// loads every 8 weight floats once for all 4 rows (8 rows with AVX-512's registers). A chunk of up to 16 rows walks 3 weight rows
 // at a time while they sit in L1. A thread takes 48 weight rows at a time (under 300 KB, which
 // stays in L2 for the next chunk), so the weight comes from memory once per call.
 //
@@ -26,74 +26,27 @@ using jspec::Sum8;
 
 namespace {
 
-constexpr int64_t kTileRows = 4;      // rows of x per register tile
-constexpr int64_t kTileCols = 3;      // weight rows per register tile (4 x 3 = 12 of 16 ymm registers)
+constexpr int64_t kTileCols = 3;      // weight rows per register tile
 constexpr int64_t kChunkRows = 16;    // rows whose tiles share one pass over 3 weight rows in L1
 constexpr int64_t kBlockCols = 48;    // weight rows a thread claims at a time
 
-// 8 weights from p as float32; Tail reads the last d % 8 of a row, zeros past its end.
-AVX2 inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
-AVX2 inline __m256 Load8(const uint16_t* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-AVX2 inline __m256 Load8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-AVX2 inline __m256 Tail(const float* p, int64_t, __m256i mask) { return _mm256_maskload_ps(p, mask); }
-template <typename W>
-AVX2 inline __m256 Tail(const W* p, int64_t count, __m256i) {
-  W part[8] = {0};
-  std::copy(p, p + count, part);
-  return Load8(part);
-}
+// The 8-lane tiles (matmul_tiles.inc), compiled twice: for AVX2, whose 16 ymm registers hold tiles
+// of up to 4 rows, and for AVX-512VL, whose 32 hold tiles of up to 8 rows (24 accumulators, 3
+// weights and a row of x), so each widened bfloat16 weight serves twice the rows. Both sum every
+// output in the same order: a CPU with AVX-512 gives the same bits as one without.
+namespace avx2 {
+#define TILE_TARGET AVX2
+constexpr int64_t kTileRows = 4;
+#include "matmul_tiles.inc"
+#undef TILE_TARGET
+}  // namespace avx2
 
-// out[r, n] for RB rows of x (stride d) and NB rows of w (stride d), times scale[n] where scale
-// is given (an int8 weight's); out has stride n_total.
-template <int RB, int NB, typename W>
-AVX2 void Tile(const float* x, const W* w, const float* scale, int64_t d, __m256i tail, float* out,
-               int64_t n_total) {
-  __m256 acc[RB][NB];
-  for (int r = 0; r < RB; ++r)
-    for (int n = 0; n < NB; ++n) acc[r][n] = _mm256_setzero_ps();
-  // The next tile's weight rows follow these in memory: fetch them while this tile computes
-  // (two lines per step cover NB <= 4 rows; past the end of w a prefetch is a harmless hint).
-  // Into L2, not L1: fetched into L1 they made a forward over 3 to 13 rows 22-28% slower on an
-  // AVX-512 AMD EPYC host, where into L2 the weight streams at about the memory's pace up to 5
-  // rows (docs/design.md, "Prefetching into L2").
-  const char* next = reinterpret_cast<const char*>(w + NB * d);
-  int64_t k = 0;
-  for (; k + 8 <= d; k += 8) {
-    _mm_prefetch(next + sizeof(W) * NB * k, _MM_HINT_T1);
-    _mm_prefetch(next + sizeof(W) * NB * k + 64, _MM_HINT_T1);
-    __m256 wv[NB];
-    for (int n = 0; n < NB; ++n) wv[n] = Load8(w + n * d + k);
-    for (int r = 0; r < RB; ++r) {
-      __m256 xv = _mm256_loadu_ps(x + r * d + k);
-      for (int n = 0; n < NB; ++n) acc[r][n] = _mm256_fmadd_ps(xv, wv[n], acc[r][n]);
-    }
-  }
-  if (k < d) {  // masked loads read zeros past the end of a row
-    __m256 wv[NB];
-    for (int n = 0; n < NB; ++n) wv[n] = Tail(w + n * d + k, d - k, tail);
-    for (int r = 0; r < RB; ++r) {
-      __m256 xv = _mm256_maskload_ps(x + r * d + k, tail);
-      for (int n = 0; n < NB; ++n) acc[r][n] = _mm256_fmadd_ps(xv, wv[n], acc[r][n]);
-    }
-  }
-  for (int r = 0; r < RB; ++r)
-    for (int n = 0; n < NB; ++n) out[r * n_total + n] = scale ? Sum8(acc[r][n]) * scale[n] : Sum8(acc[r][n]);
-}
-
-template <typename W>
-using TileFn = void (*)(const float*, const W*, const float*, int64_t, __m256i, float*, int64_t);
-template <typename W>
-constexpr TileFn<W> kTiles[kTileRows][kTileCols] = {
-    {Tile<1, 1, W>, Tile<1, 2, W>, Tile<1, 3, W>},
-    {Tile<2, 1, W>, Tile<2, 2, W>, Tile<2, 3, W>},
-    {Tile<3, 1, W>, Tile<3, 2, W>, Tile<3, 3, W>},
-    {Tile<4, 1, W>, Tile<4, 2, W>, Tile<4, 3, W>},
-};
+namespace avx512vl {
+#define TILE_TARGET __attribute__((target("avx2,fma,avx512f,avx512vl")))
+constexpr int64_t kTileRows = 8;
+#include "matmul_tiles.inc"
+#undef TILE_TARGET
+}  // namespace avx512vl
 
 // An int8 weight on a CPU with AVX-512 (BW for the byte loads): 16 weights a step, each widened in
 // two instructions, where the 8 of an AVX2 step cost as many: with AVX2 alone the int8 product ran
@@ -172,34 +125,20 @@ AVX512 void Columns16(const float* x, const int8_t* w, const float* scale, float
   }
 }
 
-bool HasAvx512() {
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl");
-  }();
-  return has;
+bool CpuHasAvx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl");
 }
 
-// Columns [n0, n1) of out for all rows.
-template <typename W>
-AVX2 void Columns(const float* x, const W* w, const float* scale, float* out, int64_t rows, int64_t n_total,
-                  int64_t d, int64_t n0, int64_t n1) {
-  alignas(32) int32_t lanes[8];
-  for (int i = 0; i < 8; ++i) lanes[i] = i < d % 8 ? -1 : 0;
-  const __m256i tail = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
-  for (int64_t c = 0; c < rows; c += kChunkRows) {
-    const int64_t c_end = std::min(rows, c + kChunkRows);
-    for (int64_t n = n0; n < n1; n += kTileCols) {
-      const int64_t nb = std::min(kTileCols, n1 - n);
-      for (int64_t r = c; r < c_end; r += kTileRows) {
-        const int64_t rb = std::min(kTileRows, c_end - r);
-        kTiles<W>[rb - 1][nb - 1](x + r * d, w + n * d, scale ? scale + n : nullptr, d, tail,
-                                  out + r * n_total + n, n_total);
-      }
-    }
-  }
+// Whether the products take their AVX-512 paths: the CPU's answer, unless a test turned them off
+// (jspec_use_avx512) to run the AVX2 paths on a CPU that has both.
+std::atomic<bool>& UseAvx512() {
+  static std::atomic<bool> use{CpuHasAvx512()};
+  return use;
 }
+
+bool HasAvx512() { return UseAvx512().load(std::memory_order_relaxed); }
 
 // WT is the weight's dtype: F32, BF16 (whose native type is its 16 bits, uint16_t) or S8, with
 // `scale` [N] for S8 and nullptr otherwise. A work item is a block of kBlockCols weight rows.
@@ -218,7 +157,8 @@ ffi::Error Run(ffi::ThreadPool pool, Matrix x, ffi::Buffer<WT, 2> w, const float
     if constexpr (std::is_same_v<W, int8_t>) {
       if (HasAvx512()) return Columns16(xs, ws, scale, os, rows, n_total, d, n0, n1);
     }
-    Columns(xs, ws, scale, os, rows, n_total, d, n0, n1);
+    if (HasAvx512()) return avx512vl::Columns(xs, ws, scale, os, rows, n_total, d, n0, n1);
+    avx2::Columns(xs, ws, scale, os, rows, n_total, d, n0, n1);
   });
   return ffi::Error::Success();
 }
@@ -258,6 +198,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecMatmulInt8, MatmulInt8, Int8Binding());
 // How long the kernels' helpers spin for the next call before they sleep (common.h: Helpers),
 // from now on; returns how long they spun until now.
 extern "C" long jspec_set_spin_us(long us) { return jspec::Helpers::SpinMicros().exchange(us); }
+
+// Lets the products use AVX-512 where the CPU has it (use != 0) or not; returns whether they did.
+extern "C" int jspec_use_avx512(int use) { return UseAvx512().exchange(use != 0 && CpuHasAvx512()); }
 
 extern "C" int jspec_cpu_supported() {
   __builtin_cpu_init();

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec import compilation_cache, distributed, memory, methods
-from jspec.batching import Request, batch_rows, batches, prompt_bucket, prompt_rows, shortest_first
+from jspec.batching import Request, admit_groups, batch_rows, batches, prompt_bucket, prompt_rows, shortest_first
 from jspec.convert import cache as model_cache, store
 from jspec.engine import loop, slots
 from jspec.engine.pricing import measure as measure_costs, resolve as resolve_pricing
@@ -220,14 +220,13 @@ class Model:
             free = [i for i, r in enumerate(held) if r is None]
             if not queue and len(free) == rows:
                 break
-            # The free slots' prompts in one admit, a batch of a power of two rows (a program per
-            # group size; its padding rows go to slot `rows`: dropped).
-            take = free[:len(queue)]
-            if take:
-                group = [queue.popleft() for _ in take]
-                n = 1 << (len(take) - 1).bit_length()
+            # The free slots' prompts in admits of like chunks, a power of two rows each (a program per size)
+            coming = [queue.popleft() for _ in free[:len(queue)]]
+            for part in admit_groups([len(r.token_ids) for r in coming], loop.prefill_chunk(self.platform, length)):
+                take, group = [free[i] for i in part], [coming[i] for i in part]
+                n = len(take)
                 tokens, lens = self.prompt_rows(group, n, length)
-                into = np.asarray(take + [rows] * (n - len(take)), np.int32)
+                into = np.asarray(take, np.int32)
                 key = jax.random.fold_in(jax.random.key(seed), group[0].index)
                 s, now = run(slots.admit, n, length, s, self._rows(tokens), self._rows(lens),
                              self._everywhere(into), eos, key)

@@ -54,6 +54,25 @@ def shortest_first(requests: Sequence[Request]) -> list[Request]:
     return sorted(requests, key=lambda r: len(r.token_ids))
 
 
+def admit_groups(lengths: Sequence[int], chunk: int) -> list[list[int]]:
+    """Indices of prompts that take free slots (their lengths in tokens) grouped for continuous
+    batching's admits: prompts of as many `chunk`-position chunks together, in groups of a power
+    of two (7 -> 4, 2, 1), so no admit prefills a row longer than its prompt or a padding row. An
+    admit prefills its rows for as many chunks as its longest prompt needs, and on a CPU a chunk
+    costs by its rows: five prompts of 64-769 tokens in one admit of 8 rows took 3.4x what they
+    took one by one (docs/design.md, "Continuous batching")."""
+    classes: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        classes.setdefault(-(-n // chunk), []).append(i)
+    groups = []
+    for members in classes.values():
+        while members:
+            size = 1 << (len(members).bit_length() - 1)
+            groups.append(members[:size])
+            members = members[size:]
+    return groups
+
+
 def batches(requests: Sequence[Request], batch_size: int) -> list[list[Request]]:
     """Split requests into batches, shortest prompts first (ties in the given order); at batch
     size 1, in the given order.

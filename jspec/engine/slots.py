@@ -7,7 +7,8 @@ longest row ends. Here the host (jspec.api) runs three programs over one LoopSta
     advance  decoding rounds until `need` rows finished that the host has not yet taken, or all did
              (or a number of rounds passed: jspec.engine.pricing times rounds with it)
     admit    prefill n new prompts and put them into the given slots (rows), mid-run (the host
-             admits every free slot's prompt at once, n a power of two: a program per n)
+             admits the free slots' prompts in groups of as many prefill chunks, n a power of
+             two: a program per n; jspec.batching.admit_groups)
 
 A round is the same `Run.round` in every program, so each row decodes as it would alone: speculation
 per row, and for the lossless methods the tokens of `ar` at batch 1. A row's cache, tokens,
@@ -43,9 +44,8 @@ def fill(params, dparams, cache: decoder.KVCache, tokens, lens, active, eos_ids,
 
 @functools.partial(jax.jit, static_argnames=("run",), donate_argnames=("s",))
 def admit(params, dparams, s: LoopState, tokens, lens, slots, eos_ids, key, *, run: Run) -> LoopState:
-    """n prompts (tokens [n, S], lens [n]) prefilled and put into rows slots [n] of s; a slot of B
-    or more (a padding row of the n) is dropped. The prefill's cache is n rows of s's length,
-    beside s's own."""
+    """n prompts (tokens [n, S], lens [n]) prefilled and put into rows slots [n] of s (a slot of B
+    or more is dropped). The prefill's cache is n rows of s's length, beside s's own."""
     with run.tracing():
         cache = decoder.KVCache.zeros(run.cfg, lens.shape[0], s.cache.length, s.cache.dtype)
         new = run.start(params, dparams, cache, tokens, lens, eos_ids, key)

@@ -106,6 +106,28 @@ def test_rows_that_end_together_are_refilled_in_one_admit(spec):
     assert [sig.rows for sig in model.programs() if sig.program == "admit"] == [BATCH]
 
 
+def test_admits_group_prompts_of_as_many_chunks_in_powers_of_two():
+    """Prompts freed together are admitted by their number of prefill chunks (of 32 positions
+    here), each group a power of two: no row is prefilled past its prompt's last chunk, and no
+    padding row is."""
+    lengths = [3, 40, 64, 5, 33, 700, 20, 31, 1, 9]
+    groups = batching.admit_groups(lengths, 32)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        assert len({-(-lengths[i] // 32) for i in g}) == 1 and len(g) & (len(g) - 1) == 0, g
+    assert sorted(map(len, groups)) == [1, 1, 2, 2, 4]  # 6 of one chunk (4 + 2), 3 of two (2 + 1), 1 of 22
+
+
+def test_a_run_admits_prompts_of_mixed_lengths_by_their_chunks(spec):
+    """Two rows end together (two tokens, no EOS) and the next two prompts, of 4 and 70 tokens,
+    come in two admits of one row each, not one of two rows both prefilled for 3 chunks."""
+    model = type(spec.free)(spec.free.cfg, spec.free.params, name="fresh")
+    prompts = repetitive_prompts([4, 4, 3, 70], model.cfg.vocab_size, seed=4)
+    records = model.generate(prompts, max_new_tokens=2, batch_size=2)
+    assert ids(records) == [ids(model.generate([p], max_new_tokens=2))[0] for p in prompts]
+    assert [sig.rows for sig in model.programs() if sig.program == "admit"] == [1]
+
+
 def test_slots_take_the_shortest_prompts_first(spec):
     """Given longest first, the prompts are prefilled shortest first: two tokens each and no EOS,
     so rows taken together finish together and the records come in the order they were taken."""

@@ -192,7 +192,9 @@ def _let_the_others_read(client, count: int, failed: int) -> None:
                 read = True
             except Exception:  # stuck where its watchdog cannot run: the deadline bounds the wait
                 pass
-    if read:  # a process that has said it read the failure is on its way out: let it get there
+    # A process that has said it read the failure is on its way out, and so is the failed one when
+    # it is not this one (several may fail at once: a check every process makes): let them get there.
+    if read or failed != 0:
         time.sleep(_LINGER_S)
 
 

@@ -7,8 +7,8 @@
 // multiply-and-sum jspec used instead costs more per row than it must (docs/design.md, "Few
 // rows"). Here w is read in place, row-major [N, D] as jspec stores it: each output is a dot
 // product along D, so a tile of 4 rows x 3 weight rows keeps 12 accumulators in registers and
-// loads every 8 weight floats once for all 4 rows (8 rows with AVX-512's registers). A chunk of up to 16 rows walks 3 weight rows
-// at a time while they sit in L1. A thread takes 48 weight rows at a time (under 300 KB, which
+// loads every 8 weight floats once for all 4 rows (8 rows in AVX-512's registers). A chunk of up
+// to 16 rows walks 3 weight rows at a time while they sit in L1. A thread takes 48 weight rows at a time (under 300 KB, which
 // stays in L2 for the next chunk), so the weight comes from memory once per call.
 //
 // Every output is summed in the same order (8 lanes along D, then the same horizontal sum; 16
@@ -16,6 +16,7 @@
 // ran it: a row gets the same bits alone or in a batch.
 
 #include <type_traits>
+#include <utility>
 
 #include "common.h"
 

@@ -61,8 +61,8 @@ def forward_programs(m, rows=ROWS):
         for r in rows:
             lowered = step.lower(m.params, *args(r))
             target = kernels.TARGETS[jnp.dtype(m.dtype)]
-            every_row_count = m.dtype == "bfloat16"  # kernels.takes
-            assert (target in lowered.as_text()) == (kernels.enabled and (every_row_count or r <= kernels.MAX_ROWS))
+            x, w = jax.ShapeDtypeStruct((r, 1), jnp.float32), jax.ShapeDtypeStruct((1, 1), m.dtype)
+            assert (target in lowered.as_text()) == kernels.takes(x, w, r)
             out[r] = lowered.compile()
         return out
     return build, args

@@ -155,11 +155,12 @@ ffi::Error Run(ffi::ThreadPool pool, Matrix x, ffi::Buffer<WT, 2> w, const float
   ParallelFor(pool, (n_total + kBlockCols - 1) / kBlockCols, [=](int64_t block) {
     const int64_t n0 = block * kBlockCols;
     const int64_t n1 = std::min(n_total, n0 + kBlockCols);
+    if (!HasAvx512()) return avx2::Columns(xs, ws, scale, os, rows, n_total, d, n0, n1);
     if constexpr (std::is_same_v<W, int8_t>) {
-      if (HasAvx512()) return Columns16(xs, ws, scale, os, rows, n_total, d, n0, n1);
+      Columns16(xs, ws, scale, os, rows, n_total, d, n0, n1);
+    } else {
+      avx512vl::Columns(xs, ws, scale, os, rows, n_total, d, n0, n1);
     }
-    if (HasAvx512()) return avx512vl::Columns(xs, ws, scale, os, rows, n_total, d, n0, n1);
-    avx2::Columns(xs, ws, scale, os, rows, n_total, d, n0, n1);
   });
   return ffi::Error::Success();
 }

@@ -35,7 +35,7 @@ def native_extensions() -> list[Extension]:
     include = os.path.join(spec.submodule_search_locations[0], "include")
     return [Extension("jspec.model.kernels._native",
                       ["jspec/model/kernels/matmul.cc", "jspec/model/kernels/attention.cc"],
-                      depends=["jspec/model/kernels/common.h", "jspec/model/kernels/matmul_tiles.inc"], include_dirs=[include], language="c++",
+                      depends=["jspec/model/kernels/common.h"], include_dirs=[include], language="c++",
                       extra_compile_args=["-O3", "-std=c++17"])]
 
 

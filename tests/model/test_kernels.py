@@ -77,23 +77,25 @@ def avx2_too(kernel):
     """For tests that run the products' AVX2 paths beside their AVX-512 ones; yields a function
     that switches between them (the CPU must have both)."""
     if not kernels.avx512(True):
-        pytest.skip("this CPU lacks AVX-512 (F, BW, VL), so only the AVX2 paths run")
+        pytest.skip("this CPU lacks AVX-512 (F, BW, DQ, VL), so only the AVX2 paths run")
     yield kernels.avx512
     kernels.avx512(True)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_avx2_and_avx512_tiles_give_the_same_bits(avx2_too, dtype):
-    """Float32 and bfloat16 weights: tiles of up to 8 rows in AVX-512's registers and of up to 4 in
-    AVX2's sum every output alike, so a CPU with AVX-512 emits what one without does. D of 100
-    exercises the tail of an 8-lane step; 13 and 17 rows leave tiles of every size."""
+    """Float32 and bfloat16 weights: AVX-512's tiles of up to 8 rows x 6 weight rows (two to a
+    16-lane register) and AVX2's of up to 4 x 3 sum every output alike, so a CPU with AVX-512 emits
+    what one without does. D of 100 exercises the tail of an 8-lane step; 13 and 17 rows leave
+    tiles of every height, 97 to 101 weight rows (blocks of 48) tiles of every width."""
     product = jax.jit(kernels.matmul)
     for rows in (1, 5, 8, 13, 17):
-        x, w = random((rows, 100), 8), random((97, 100), 9).astype(dtype)
-        avx2_too(True)
-        wide = np.asarray(product(x, w))
-        avx2_too(False)
-        np.testing.assert_array_equal(np.asarray(product(x, w)), wide, err_msg=f"{rows} rows")
+        for n in (97, 98, 99, 100, 101):
+            x, w = random((rows, 100), 8), random((n, 100), 9).astype(dtype)
+            avx2_too(True)
+            wide = np.asarray(product(x, w))
+            avx2_too(False)
+            np.testing.assert_array_equal(np.asarray(product(x, w)), wide, err_msg=f"{rows} rows, {n} weight rows")
 
 
 @pytest.mark.parametrize("rows", [1, 5, 17])

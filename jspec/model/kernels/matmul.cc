@@ -6,14 +6,15 @@
 // Why not XLA: its dot repacks the whole weight before multiplying a few rows, and the fused
 // multiply-and-sum jspec used instead costs more per row than it must (docs/design.md, "Few
 // rows"). Here w is read in place, row-major [N, D] as jspec stores it: each output is a dot
-// product along D, so a tile of 4 rows x 3 weight rows keeps 12 accumulators in registers and
-// loads every 8 weight floats once for all 4 rows (8 rows in AVX-512's registers). A chunk of up
-// to 16 rows walks 3 weight rows at a time while they sit in L1. A thread takes 48 weight rows at a time (under 300 KB, which
-// stays in L2 for the next chunk), so the weight comes from memory once per call.
+// product along D, so a register tile of rows x weight rows keeps its accumulators in registers
+// and loads every 8 weights once for all its rows (4 x 3 with AVX2; 8 x 6 with AVX-512). A chunk
+// of up to 16 rows walks a tile's weight rows while they sit in L1. A thread takes 48 weight rows
+// at a time (under 300 KB, which stays in L2 for the next chunk), so the weight comes from memory
+// once per call.
 //
 // Every output is summed in the same order (8 lanes along D, then the same horizontal sum; 16
-// lanes for int8 on AVX-512), whatever the number of rows, the tile it fell in or the thread that
-// ran it: a row gets the same bits alone or in a batch.
+// lanes for int8 on AVX-512), whatever the number of rows, the tile it fell in, the thread that
+// ran it or whether the CPU has AVX-512: a row gets the same bits alone or in a batch.
 
 #include <type_traits>
 #include <utility>
@@ -27,33 +28,200 @@ using jspec::Sum8;
 
 namespace {
 
-constexpr int64_t kTileCols = 3;      // weight rows per register tile
-constexpr int64_t kChunkRows = 16;    // rows whose tiles share one pass over 3 weight rows in L1
-constexpr int64_t kBlockCols = 48;    // weight rows a thread claims at a time
+constexpr int64_t kChunkRows = 16;  // rows whose tiles share one pass over a tile's weight rows in L1
+constexpr int64_t kBlockCols = 48;  // weight rows a thread claims at a time
 
-// The 8-lane tiles (matmul_tiles.inc), compiled twice: for AVX2, whose 16 ymm registers hold tiles
-// of up to 4 rows, and for AVX-512VL, whose 32 hold tiles of up to 8 rows (24 accumulators, 3
-// weights and a row of x), so each widened bfloat16 weight serves twice the rows. Both sum every
-// output in the same order: a CPU with AVX-512 gives the same bits as one without.
+// Calls tile(r, rb, n, nb) for the register tiles covering rows [0, rows) x weight rows [n0, n1):
+// chunk by chunk of rows, the weight rows of a tile visited once a chunk.
+template <int64_t kTileRows, int64_t kTileCols, typename TileAt>
+inline void ForTiles(int64_t rows, int64_t n0, int64_t n1, TileAt tile) {
+  for (int64_t c = 0; c < rows; c += kChunkRows) {
+    const int64_t c_end = std::min(rows, c + kChunkRows);
+    for (int64_t n = n0; n < n1; n += kTileCols) {
+      const int64_t nb = std::min(kTileCols, n1 - n);
+      for (int64_t r = c; r < c_end; r += kTileRows) tile(r, std::min(kTileRows, c_end - r), n, nb);
+    }
+  }
+}
+
+// The 8-lane tiles of AVX2 + FMA, whose 16 ymm registers hold tiles of up to 4 rows x 3 weight rows.
 namespace avx2 {
-#define TILE_TARGET AVX2
 constexpr int64_t kTileRows = 4;
-#include "matmul_tiles.inc"
-#undef TILE_TARGET
+constexpr int64_t kTileCols = 3;
+// 8 weights from p as float32; Tail reads the last d % 8 of a row, zeros past its end.
+AVX2 inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+AVX2 inline __m256 Load8(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+AVX2 inline __m256 Load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+AVX2 inline __m256 Tail(const float* p, int64_t, __m256i mask) { return _mm256_maskload_ps(p, mask); }
+template <typename W>
+AVX2 inline __m256 Tail(const W* p, int64_t count, __m256i) {
+  W part[8] = {0};
+  std::copy(p, p + count, part);
+  return Load8(part);
+}
+
+// out[r, n] for RB rows of x (stride d) and NB rows of w (stride d), times scale[n] where scale
+// is given (an int8 weight's); out has stride n_total.
+template <int RB, int NB, typename W>
+AVX2 void Tile(const float* x, const W* w, const float* scale, int64_t d, __m256i tail, float* out,
+                      int64_t n_total) {
+  __m256 acc[RB][NB];
+  for (int r = 0; r < RB; ++r)
+    for (int n = 0; n < NB; ++n) acc[r][n] = _mm256_setzero_ps();
+  // The weight rows of the tiles ahead follow these in memory: fetch them while this tile
+  // computes (two lines per step cover NB <= 4 rows; past the end of w a prefetch is a harmless
+  // hint). Into L2, not L1: fetched into L1 they made a forward over 3 to 13 rows 22-28% slower on
+  // an AVX-512 AMD EPYC host, where into L2 the weight streams at about the memory's pace up to 5
+  // rows (docs/design.md, "Prefetching into L2"). As many bytes ahead whatever the weight's
+  // dtype: one tile of float32, two of bfloat16 (a forward over 1 to 13 rows 10-14% faster than
+  // one tile ahead: docs/design.md, "Eight-row tiles"), four of int8.
+  constexpr int64_t kAhead = 4 / sizeof(W);
+  const char* next = reinterpret_cast<const char*>(w + kAhead * NB * d);
+  int64_t k = 0;
+  for (; k + 8 <= d; k += 8) {
+    _mm_prefetch(next + sizeof(W) * NB * k, _MM_HINT_T1);
+    _mm_prefetch(next + sizeof(W) * NB * k + 64, _MM_HINT_T1);
+    __m256 wv[NB];
+    for (int n = 0; n < NB; ++n) wv[n] = Load8(w + n * d + k);
+    for (int r = 0; r < RB; ++r) {
+      __m256 xv = _mm256_loadu_ps(x + r * d + k);
+      for (int n = 0; n < NB; ++n) acc[r][n] = _mm256_fmadd_ps(xv, wv[n], acc[r][n]);
+    }
+  }
+  if (k < d) {  // masked loads read zeros past the end of a row
+    __m256 wv[NB];
+    for (int n = 0; n < NB; ++n) wv[n] = Tail(w + n * d + k, d - k, tail);
+    for (int r = 0; r < RB; ++r) {
+      __m256 xv = _mm256_maskload_ps(x + r * d + k, tail);
+      for (int n = 0; n < NB; ++n) acc[r][n] = _mm256_fmadd_ps(xv, wv[n], acc[r][n]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int n = 0; n < NB; ++n) out[r * n_total + n] = scale ? Sum8(acc[r][n]) * scale[n] : Sum8(acc[r][n]);
+}
+
+template <typename W>
+using TileFn = void (*)(const float*, const W*, const float*, int64_t, __m256i, float*, int64_t);
+// Tiles<W>::at[rb - 1][nb - 1]: the tile of rb rows (up to kTileRows) and nb weight rows.
+template <typename W, typename Rows = std::make_index_sequence<kTileRows>>
+struct Tiles;
+template <typename W, size_t... R>
+struct Tiles<W, std::index_sequence<R...>> {
+  static constexpr TileFn<W> at[][kTileCols] = {{Tile<R + 1, 1, W>, Tile<R + 1, 2, W>, Tile<R + 1, 3, W>}...};
+};
+
+// Columns [n0, n1) of out for all rows.
+template <typename W>
+AVX2 void Columns(const float* x, const W* w, const float* scale, float* out, int64_t rows, int64_t n_total,
+                  int64_t d, int64_t n0, int64_t n1) {
+  alignas(32) int32_t lanes[8];
+  for (int i = 0; i < 8; ++i) lanes[i] = i < d % 8 ? -1 : 0;
+  const __m256i tail = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
+  ForTiles<kTileRows, kTileCols>(rows, n0, n1, [&](int64_t r, int64_t rb, int64_t n, int64_t nb) {
+    Tiles<W>::at[rb - 1][nb - 1](x + r * d, w + n * d, scale ? scale + n : nullptr, d, tail, out + r * n_total + n,
+                                 n_total);
+  });
+}
 }  // namespace avx2
 
-namespace avx512vl {
-#define TILE_TARGET __attribute__((target("avx2,fma,avx512f,avx512vl")))
+// The tiles of a CPU with AVX-512 (32 registers of 16 lanes): up to 8 rows a tile.
+namespace avx512 {
+#define AVX512 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl")))
 constexpr int64_t kTileRows = 8;
-#include "matmul_tiles.inc"
-#undef TILE_TARGET
-}  // namespace avx512vl
+constexpr int64_t kTilePairs = 3;
 
+// A float32 or bfloat16 weight: AVX2's 8-lane sums, two weight rows at a time. A 16-lane register
+// holds 8 weights of weight row n in its low half and the same 8 of row n + 1 in its high half,
+// and a row of x broadcast to both halves, so each half runs exactly the FMAs of one 8-lane
+// accumulator (the bits of AVX2's tiles) while one instruction does the work of two where the CPU
+// runs 16-lane FMAs as fast as 8-lane ones (an Intel Xeon: 5 a ns of either a core; AMD's Zen 4
+// splits a 16-lane one in two). Tiles of up to 8 rows x 3 pairs: 24 accumulators, 3 weights, a
+// row of x.
+AVX512 inline __m512 Join(__m256 lo, __m256 hi) { return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1); }
+AVX512 inline __m512 Load16(const float* a, const float* b) { return Join(_mm256_loadu_ps(a), _mm256_loadu_ps(b)); }
+AVX512 inline __m512 Load16(const uint16_t* a, const uint16_t* b) {
+  const __m256i two = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+                                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(two), 16));
+}
+template <typename W>
+AVX512 inline __m512 Tail16(const W* a, const W* b, int64_t count) {
+  W part[16] = {0};
+  std::copy(a, a + count, part);
+  std::copy(b, b + count, part + 8);
+  return Load16(part, part + 8);
+}
+
+// out[r, n] for RB rows of x and NB (1 to 2 * kTilePairs) weight rows; an odd last weight row is
+// paired with itself and its high half dropped.
+template <int RB, int NB, typename W>
+AVX512 void Tile(const float* x, const W* w, int64_t d, __mmask8 tail, float* out, int64_t n_total) {
+  constexpr int NP = (NB + 1) / 2;
+  const W* lo[NP];
+  const W* hi[NP];
+  for (int p = 0; p < NP; ++p) {
+    lo[p] = w + 2 * p * d;
+    hi[p] = w + std::min(2 * p + 1, NB - 1) * d;
+  }
+  __m512 acc[RB][NP];
+  for (int r = 0; r < RB; ++r)
+    for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
+  // As many bytes ahead as AVX2's tiles: 3 weight rows of float32, 6 of bfloat16.
+  constexpr int64_t kAheadRows = 12 / sizeof(W);
+  constexpr int64_t kLines = (NB * 8 * sizeof(W) + 63) / 64;
+  const char* next = reinterpret_cast<const char*>(w + (NB + kAheadRows) * d);
+  int64_t k = 0;
+  for (; k + 8 <= d; k += 8) {
+    for (int64_t line = 0; line < kLines; ++line) _mm_prefetch(next + sizeof(W) * NB * k + 64 * line, _MM_HINT_T1);
+    __m512 wv[NP];
+    for (int p = 0; p < NP; ++p) wv[p] = Load16(lo[p] + k, hi[p] + k);
+    for (int r = 0; r < RB; ++r) {
+      const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + r * d + k));
+      for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_fmadd_ps(xv, wv[p], acc[r][p]);
+    }
+  }
+  if (k < d) {  // zeros past the end of a row
+    __m512 wv[NP];
+    for (int p = 0; p < NP; ++p) wv[p] = Tail16(lo[p] + k, hi[p] + k, d - k);
+    for (int r = 0; r < RB; ++r) {
+      const __m512 xv = _mm512_broadcast_f32x8(_mm256_maskz_loadu_ps(tail, x + r * d + k));
+      for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_fmadd_ps(xv, wv[p], acc[r][p]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int p = 0; p < NP; ++p) {
+      out[r * n_total + 2 * p] = Sum8(_mm512_castps512_ps256(acc[r][p]));
+      if (2 * p + 1 < NB) out[r * n_total + 2 * p + 1] = Sum8(_mm512_extractf32x8_ps(acc[r][p], 1));
+    }
+}
+
+template <typename W>
+using TileFn = void (*)(const float*, const W*, int64_t, __mmask8, float*, int64_t);
+template <typename W, typename Rows = std::make_index_sequence<kTileRows>>
+struct Tiles;
+template <typename W, size_t... R>
+struct Tiles<W, std::index_sequence<R...>> {
+  static constexpr TileFn<W> at[][2 * kTilePairs] = {
+      {Tile<R + 1, 1, W>, Tile<R + 1, 2, W>, Tile<R + 1, 3, W>, Tile<R + 1, 4, W>, Tile<R + 1, 5, W>, Tile<R + 1, 6, W>}...};
+};
+
+template <typename W>
+AVX512 void Columns(const float* x, const W* w, float* out, int64_t rows, int64_t n_total, int64_t d, int64_t n0,
+                   int64_t n1) {
+  const __mmask8 tail = static_cast<__mmask8>((1u << (d % 8)) - 1);
+  ForTiles<kTileRows, 2 * kTilePairs>(rows, n0, n1, [&](int64_t r, int64_t rb, int64_t n, int64_t nb) {
+    Tiles<W>::at[rb - 1][nb - 1](x + r * d, w + n * d, d, tail, out + r * n_total + n, n_total);
+  });
+}
 // An int8 weight on a CPU with AVX-512 (BW for the byte loads): 16 weights a step, each widened in
 // two instructions, where the 8 of an AVX2 step cost as many: with AVX2 alone the int8 product ran
-// at half the memory's pace, bound by its widening (docs/journal/2026-12-04_int8-weights.md).
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
-
+// at half the memory's pace, bound by its widening (docs/journal/2026-12-04_int8-weights.md). Its
+// sums are 16 lanes wide, so its bits differ from the AVX2 path's (both are tested against JAX's).
 AVX512 inline __m512 Load16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
@@ -63,8 +231,8 @@ AVX512 inline __m512 Tail16(const int8_t* p, __mmask16 tail) {
 }
 
 template <int RB, int NB>
-AVX512 void Tile16(const float* x, const int8_t* w, const float* scale, int64_t d, __mmask16 tail, float* out,
-                   int64_t n_total) {
+AVX512 void Int8Tile(const float* x, const int8_t* w, const float* scale, int64_t d, __mmask16 tail, float* out,
+                    int64_t n_total) {
   __m512 acc[RB][NB];
   for (int r = 0; r < RB; ++r)
     for (int n = 0; n < NB; ++n) acc[r][n] = _mm512_setzero_ps();
@@ -93,43 +261,32 @@ AVX512 void Tile16(const float* x, const int8_t* w, const float* scale, int64_t 
     for (int n = 0; n < NB; ++n) out[r * n_total + n] = _mm512_reduce_add_ps(acc[r][n]) * scale[n];
 }
 
-// 8 rows a tile, where AVX2's 16 registers hold 4: 24 accumulators, 3 weights and a row of x fill
-// AVX-512's 32, and each widened weight serves twice the rows.
-constexpr int64_t kTileRows16 = 8;
-using Tile16Fn = void (*)(const float*, const int8_t*, const float*, int64_t, __mmask16, float*, int64_t);
-constexpr Tile16Fn kTiles16[kTileRows16][kTileCols] = {
-    {Tile16<1, 1>, Tile16<1, 2>, Tile16<1, 3>},
-    {Tile16<2, 1>, Tile16<2, 2>, Tile16<2, 3>},
-    {Tile16<3, 1>, Tile16<3, 2>, Tile16<3, 3>},
-    {Tile16<4, 1>, Tile16<4, 2>, Tile16<4, 3>},
-    {Tile16<5, 1>, Tile16<5, 2>, Tile16<5, 3>},
-    {Tile16<6, 1>, Tile16<6, 2>, Tile16<6, 3>},
-    {Tile16<7, 1>, Tile16<7, 2>, Tile16<7, 3>},
-    {Tile16<8, 1>, Tile16<8, 2>, Tile16<8, 3>},
+// Tiles of up to 8 rows x 3 weight rows (24 accumulators, 3 weights, a row of x).
+constexpr int64_t kInt8TileCols = 3;
+using Int8TileFn = void (*)(const float*, const int8_t*, const float*, int64_t, __mmask16, float*, int64_t);
+template <typename Rows = std::make_index_sequence<kTileRows>>
+struct Int8Tiles;
+template <size_t... R>
+struct Int8Tiles<std::index_sequence<R...>> {
+  static constexpr Int8TileFn at[][kInt8TileCols] = {{Int8Tile<R + 1, 1>, Int8Tile<R + 1, 2>, Int8Tile<R + 1, 3>}...};
 };
 
-// Columns [n0, n1) of out for all rows, for an int8 weight on AVX-512: as Columns, each tile
-// widening its weight rows itself. (Widening them once a chunk into a float buffer for its tiles
-// ran slower, 8 to 512 rows: the buffer's stores and reloads cost more than the widening saved.)
-AVX512 void Columns16(const float* x, const int8_t* w, const float* scale, float* out, int64_t rows,
-                      int64_t n_total, int64_t d, int64_t n0, int64_t n1) {
+// Each tile widens its weight rows itself. (Widening them once a chunk into a float buffer for its
+// tiles ran slower, 8 to 512 rows: the buffer's stores and reloads cost more than the widening saved.)
+AVX512 void Columns(const float* x, const int8_t* w, const float* scale, float* out, int64_t rows, int64_t n_total,
+                   int64_t d, int64_t n0, int64_t n1) {
   const __mmask16 tail = static_cast<__mmask16>((1u << (d % 16)) - 1);
-  for (int64_t c = 0; c < rows; c += kChunkRows) {
-    const int64_t c_end = std::min(rows, c + kChunkRows);
-    for (int64_t n = n0; n < n1; n += kTileCols) {
-      const int64_t nb = std::min(kTileCols, n1 - n);
-      for (int64_t r = c; r < c_end; r += kTileRows16) {
-        const int64_t rb = std::min(kTileRows16, c_end - r);
-        kTiles16[rb - 1][nb - 1](x + r * d, w + n * d, scale + n, d, tail, out + r * n_total + n, n_total);
-      }
-    }
-  }
+  ForTiles<kTileRows, kInt8TileCols>(rows, n0, n1, [&](int64_t r, int64_t rb, int64_t n, int64_t nb) {
+    Int8Tiles<>::at[rb - 1][nb - 1](x + r * d, w + n * d, scale + n, d, tail, out + r * n_total + n, n_total);
+  });
 }
+#undef AVX512
+}  // namespace avx512
 
 bool CpuHasAvx512() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl");
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
 }
 
 // Whether the products take their AVX-512 paths: the CPU's answer, unless a test turned them off
@@ -157,9 +314,9 @@ ffi::Error Run(ffi::ThreadPool pool, Matrix x, ffi::Buffer<WT, 2> w, const float
     const int64_t n1 = std::min(n_total, n0 + kBlockCols);
     if (!HasAvx512()) return avx2::Columns(xs, ws, scale, os, rows, n_total, d, n0, n1);
     if constexpr (std::is_same_v<W, int8_t>) {
-      Columns16(xs, ws, scale, os, rows, n_total, d, n0, n1);
+      avx512::Columns(xs, ws, scale, os, rows, n_total, d, n0, n1);
     } else {
-      avx512vl::Columns(xs, ws, scale, os, rows, n_total, d, n0, n1);
+      avx512::Columns(xs, ws, os, rows, n_total, d, n0, n1);
     }
   });
   return ffi::Error::Success();

@@ -44,8 +44,8 @@ def fill(params, dparams, cache: decoder.KVCache, tokens, lens, active, eos_ids,
 
 @functools.partial(jax.jit, static_argnames=("run",), donate_argnames=("s",))
 def admit(params, dparams, s: LoopState, tokens, lens, slots, eos_ids, key, *, run: Run) -> LoopState:
-    """n prompts (tokens [n, S], lens [n]) prefilled and put into rows slots [n] of s (a slot of B
-    or more is dropped). The prefill's cache is n rows of s's length, beside s's own."""
+    """n prompts (tokens [n, S], lens [n]) prefilled and put into rows slots [n] of s (distinct
+    slots below B). The prefill's cache is n rows of s's length, beside s's own."""
     with run.tracing():
         cache = decoder.KVCache.zeros(run.cfg, lens.shape[0], s.cache.length, s.cache.dtype)
         new = run.start(params, dparams, cache, tokens, lens, eos_ids, key)
@@ -56,7 +56,7 @@ def put_rows(s: LoopState, new: LoopState, slots: jax.Array) -> LoopState:
     """s with rows slots [n] of every per-row array taken from new's n rows. 0-d arrays (the loop's
     key, a controller's constant) are shared by the rows and stay s's."""
     def put(full, rows):
-        return full if full.ndim == 0 else full.at[slots].set(rows.astype(full.dtype), mode="drop")
+        return full if full.ndim == 0 else full.at[slots].set(rows.astype(full.dtype))
 
     return jax.tree.map(put, s, new)
 

@@ -143,8 +143,9 @@ def test_put_rows_keeps_shared_arrays():
 
     full = {"rows": jnp.zeros((4, 3)), "shared": jnp.asarray(7)}
     new = {"rows": jnp.ones((2, 3)), "shared": jnp.asarray(1)}
-    out = slots.put_rows(full, new, jnp.asarray([2, 4]))  # slot 4 is past the batch: a padding row, dropped
-    np.testing.assert_array_equal(out["rows"], [[0] * 3, [0] * 3, [1] * 3, [0] * 3])
+    new["rows"] = new["rows"].at[1].set(2)
+    out = slots.put_rows(full, new, jnp.asarray([3, 1]))
+    np.testing.assert_array_equal(out["rows"], [[0] * 3, [2] * 3, [0] * 3, [1] * 3])
     assert int(out["shared"]) == 7
 
 

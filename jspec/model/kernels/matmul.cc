@@ -48,6 +48,7 @@ inline void ForTiles(int64_t rows, int64_t n0, int64_t n1, TileAt tile) {
 namespace avx2 {
 constexpr int64_t kTileRows = 4;
 constexpr int64_t kTileCols = 3;
+
 // 8 weights from p as float32; Tail reads the last d % 8 of a row, zeros past its end.
 AVX2 inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
 AVX2 inline __m256 Load8(const uint16_t* p) {
@@ -211,8 +212,8 @@ struct Tiles<W, std::index_sequence<R...>> {
 };
 
 template <typename W>
-AVX512 void Columns(const float* x, const W* w, float* out, int64_t rows, int64_t n_total, int64_t d, int64_t n0,
-                   int64_t n1) {
+AVX512 void Columns(const float* x, const W* w, float* out, int64_t rows, int64_t n_total, int64_t d,
+                    int64_t n0, int64_t n1) {
   const __mmask8 tail = static_cast<__mmask8>((1u << (d % 8)) - 1);
   ForTiles<kTileRows, 2 * kTilePairs>(rows, n0, n1, [&](int64_t r, int64_t rb, int64_t n, int64_t nb) {
     Tiles<W>::at[rb - 1][nb - 1](x + r * d, w + n * d, d, tail, out + r * n_total + n, n_total);
@@ -273,8 +274,8 @@ struct Int8Tiles<std::index_sequence<R...>> {
 
 // Each tile widens its weight rows itself. (Widening them once a chunk into a float buffer for its
 // tiles ran slower, 8 to 512 rows: the buffer's stores and reloads cost more than the widening saved.)
-AVX512 void Columns(const float* x, const int8_t* w, const float* scale, float* out, int64_t rows, int64_t n_total,
-                   int64_t d, int64_t n0, int64_t n1) {
+AVX512 void Columns(const float* x, const int8_t* w, const float* scale, float* out, int64_t rows,
+                    int64_t n_total, int64_t d, int64_t n0, int64_t n1) {
   const __mmask16 tail = static_cast<__mmask16>((1u << (d % 16)) - 1);
   ForTiles<kTileRows, kInt8TileCols>(rows, n0, n1, [&](int64_t r, int64_t rb, int64_t n, int64_t nb) {
     Int8Tiles<>::at[rb - 1][nb - 1](x + r * d, w + n * d, scale + n, d, tail, out + r * n_total + n, n_total);

@@ -70,7 +70,7 @@ AVX2 inline __m256 Tail(const W* p, int64_t count, __m256i) {
 // is given (an int8 weight's); out has stride n_total.
 template <int RB, int NB, typename W>
 AVX2 void Tile(const float* x, const W* w, const float* scale, int64_t d, __m256i tail, float* out,
-                      int64_t n_total) {
+               int64_t n_total) {
   __m256 acc[RB][NB];
   for (int r = 0; r < RB; ++r)
     for (int n = 0; n < NB; ++n) acc[r][n] = _mm256_setzero_ps();
@@ -219,6 +219,7 @@ AVX512 void Columns(const float* x, const W* w, float* out, int64_t rows, int64_
     Tiles<W>::at[rb - 1][nb - 1](x + r * d, w + n * d, d, tail, out + r * n_total + n, n_total);
   });
 }
+
 // An int8 weight on a CPU with AVX-512 (BW for the byte loads): 16 weights a step, each widened in
 // two instructions, where the 8 of an AVX2 step cost as many: with AVX2 alone the int8 product ran
 // at half the memory's pace, bound by its widening (docs/journal/2026-12-04_int8-weights.md). Its
@@ -233,7 +234,7 @@ AVX512 inline __m512 Tail16(const int8_t* p, __mmask16 tail) {
 
 template <int RB, int NB>
 AVX512 void Int8Tile(const float* x, const int8_t* w, const float* scale, int64_t d, __mmask16 tail, float* out,
-                    int64_t n_total) {
+                     int64_t n_total) {
   __m512 acc[RB][NB];
   for (int r = 0; r < RB; ++r)
     for (int n = 0; n < NB; ++n) acc[r][n] = _mm512_setzero_ps();

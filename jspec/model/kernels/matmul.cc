@@ -143,19 +143,22 @@ constexpr int64_t kTilePairs = 3;
 // runs 16-lane FMAs as fast as 8-lane ones (an Intel Xeon: 5 a ns of either a core; AMD's Zen 4
 // splits a 16-lane one in two). Tiles of up to 8 rows x 3 pairs: 24 accumulators, 3 weights, a
 // row of x.
-AVX512 inline __m512 Join(__m256 lo, __m256 hi) { return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1); }
-AVX512 inline __m512 Load16(const float* a, const float* b) { return Join(_mm256_loadu_ps(a), _mm256_loadu_ps(b)); }
-AVX512 inline __m512 Load16(const uint16_t* a, const uint16_t* b) {
+// LoadPair: 8 weights of row a and the same 8 of row b as float32; TailPair the last d % 8 of each,
+// zeros past their end.
+AVX512 inline __m512 LoadPair(const float* a, const float* b) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
+}
+AVX512 inline __m512 LoadPair(const uint16_t* a, const uint16_t* b) {
   const __m256i two = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
                                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(two), 16));
 }
 template <typename W>
-AVX512 inline __m512 Tail16(const W* a, const W* b, int64_t count) {
+AVX512 inline __m512 TailPair(const W* a, const W* b, int64_t count) {
   W part[16] = {0};
   std::copy(a, a + count, part);
   std::copy(b, b + count, part + 8);
-  return Load16(part, part + 8);
+  return LoadPair(part, part + 8);
 }
 
 // out[r, n] for RB rows of x and NB (1 to 2 * kTilePairs) weight rows; an odd last weight row is
@@ -180,7 +183,7 @@ AVX512 void Tile(const float* x, const W* w, int64_t d, __mmask8 tail, float* ou
   for (; k + 8 <= d; k += 8) {
     for (int64_t line = 0; line < kLines; ++line) _mm_prefetch(next + sizeof(W) * NB * k + 64 * line, _MM_HINT_T1);
     __m512 wv[NP];
-    for (int p = 0; p < NP; ++p) wv[p] = Load16(lo[p] + k, hi[p] + k);
+    for (int p = 0; p < NP; ++p) wv[p] = LoadPair(lo[p] + k, hi[p] + k);
     for (int r = 0; r < RB; ++r) {
       const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + r * d + k));
       for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_fmadd_ps(xv, wv[p], acc[r][p]);
@@ -188,7 +191,7 @@ AVX512 void Tile(const float* x, const W* w, int64_t d, __mmask8 tail, float* ou
   }
   if (k < d) {  // zeros past the end of a row
     __m512 wv[NP];
-    for (int p = 0; p < NP; ++p) wv[p] = Tail16(lo[p] + k, hi[p] + k, d - k);
+    for (int p = 0; p < NP; ++p) wv[p] = TailPair(lo[p] + k, hi[p] + k, d - k);
     for (int r = 0; r < RB; ++r) {
       const __m512 xv = _mm512_broadcast_f32x8(_mm256_maskz_loadu_ps(tail, x + r * d + k));
       for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_fmadd_ps(xv, wv[p], acc[r][p]);

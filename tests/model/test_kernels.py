@@ -43,11 +43,14 @@ def test_matmul_equals_jax(kernel, rows, n, d, dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_row_gets_the_same_bits_in_any_batch(kernel, dtype):
-    x, w = random((80, 100), 2), random((61, 100), 3).astype(dtype)
-    full = np.asarray(jax.jit(kernels.matmul)(x, w))
-    for rows in (1, 3, 16, 17, 72):
-        np.testing.assert_array_equal(np.asarray(jax.jit(kernels.matmul)(x[:rows], w)), full[:rows])
+@pytest.mark.parametrize("d", [100, 96])  # bfloat16 with D of 96 takes AMX's tiles where the CPU has them
+def test_row_gets_the_same_bits_in_any_batch(kernel, dtype, d):
+    x, w = random((80, d), 2), random((61, d), 3).astype(dtype)
+    product = jax.jit(kernels.matmul)
+    full = np.asarray(product(x, w))
+    for rows in (1, 3, 5, 6, 11, 16, 17, 72):
+        np.testing.assert_array_equal(np.asarray(product(x[:rows], w)), full[:rows])
+    np.testing.assert_array_equal(np.asarray(product(x[::-1], w))[::-1], full)  # each row elsewhere in the call
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 33, 64])
@@ -86,8 +89,9 @@ def avx2_too(kernel):
 def test_avx2_and_avx512_tiles_give_the_same_bits(avx2_too, dtype):
     """Float32 and bfloat16 weights: AVX-512's tiles of up to 8 rows x 6 weight rows (two to a
     16-lane register) and AVX2's of up to 4 x 3 sum every output alike, so a CPU with AVX-512 emits
-    what one without does. D of 100 exercises the tail of an 8-lane step; 13 and 17 rows leave
-    tiles of every height, 97 to 101 weight rows (blocks of 48) tiles of every width."""
+    what one without does. D of 100 exercises the tail of an 8-lane step (and keeps bfloat16 off
+    AMX's tiles, which take D in 32s); 13 and 17 rows leave tiles of every height, 97 to 101 weight
+    rows (blocks of 48) tiles of every width."""
     product = jax.jit(kernels.matmul)
     for rows in (1, 5, 8, 13, 17):
         for n in (97, 98, 99, 100, 101):
@@ -96,6 +100,34 @@ def test_avx2_and_avx512_tiles_give_the_same_bits(avx2_too, dtype):
             wide = np.asarray(product(x, w))
             avx2_too(False)
             np.testing.assert_array_equal(np.asarray(product(x, w)), wide, err_msg=f"{rows} rows, {n} weight rows")
+
+
+@pytest.fixture
+def amx_too(kernel):
+    """For tests that run the bfloat16 product on AMX's tiles and on AVX's; yields a function that
+    switches between them (the CPU must have AMX and Linux must let the process use it)."""
+    if not kernels.amx(True):
+        pytest.skip("this CPU lacks AMX (tiles, bfloat16 products, AVX-512 BF16), or Linux refused them")
+    yield kernels.amx
+    kernels.amx(True)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 11, 16, 33])
+@pytest.mark.parametrize("n, d", [(7, 64), (97, 96), (130, 32), (64, 576)])
+def test_amx_product_equals_the_exact_one(amx_too, rows, n, d):
+    """A bfloat16 weight on AMX's tiles, x in three bfloat16 parts: the product of x and the
+    weight in float64, to float32's rounding of the sum, as close as the AVX path's. N of 7, 97 and
+    130 leave a last tile of weight rows part empty (and a last pair of tiles one tile short); 6,
+    11, 16 and 33 rows a last tile of x part empty."""
+    x, w = random((rows, d), 0) * 10, random((n, d), 1).astype(jnp.bfloat16)
+    exact = np.asarray(x, np.float64) @ np.asarray(w.astype(jnp.float32), np.float64).T
+    product = jax.jit(kernels.matmul)
+    amx = np.asarray(product(x, w))
+    amx_too(False)
+    avx = np.asarray(product(x, w))
+    bound = 4 * np.finfo(np.float32).eps * (np.abs(np.asarray(x)) @ np.abs(np.asarray(w.astype(jnp.float32))).T)
+    assert np.all(np.abs(amx - exact) <= bound) and np.all(np.abs(avx - exact) <= bound)
+    assert not np.array_equal(amx, avx) or rows * n < 8, "AMX's sums should round apart from AVX's somewhere"
 
 
 @pytest.mark.parametrize("rows", [1, 5, 17])

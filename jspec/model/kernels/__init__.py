@@ -67,7 +67,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         return None, f"jspec/model/kernels/_native could not be loaded: {e}"
     if not lib.jspec_cpu_supported():
         return None, "this CPU lacks AVX2 or FMA"
-    if not hasattr(lib, "jspec_use_avx512"):  # built from an older jspec's sources
+    if not hasattr(lib, "jspec_use_amx"):  # built from an older jspec's sources
         return None, "jspec/model/kernels/_native is out of date: pip install jspec again to rebuild it"
     jax.ffi.register_ffi_target(TARGETS[jnp.dtype(jnp.float32)], jax.ffi.pycapsule(lib.JspecMatmul), platform="cpu")
     jax.ffi.register_ffi_target(TARGETS[jnp.dtype(jnp.bfloat16)], jax.ffi.pycapsule(lib.JspecMatmulBf16), platform="cpu")
@@ -98,6 +98,22 @@ def avx512(use: bool) -> bool:
     if _lib is None:
         raise RuntimeError(f"the CPU kernels are unavailable: {unavailable}")
     return bool(_lib.jspec_use_avx512(ctypes.c_int(use)))
+
+
+def amx(use: bool) -> bool:
+    """Let bfloat16 products use AMX's tiles where the CPU has them (the default), or not; returns
+    whether they did. For tests and probes that run the AVX paths on a CPU with AMX."""
+    if _lib is None:
+        raise RuntimeError(f"the CPU kernels are unavailable: {unavailable}")
+    return bool(_lib.jspec_use_amx(ctypes.c_int(use)))
+
+
+def paths() -> str:
+    """The instruction sets the CPU's products run on in this process, in words."""
+    if _lib is None:
+        return "none"
+    used = _lib.jspec_paths()
+    return ("AVX-512" if used & 1 else "AVX2") + (", AMX for bfloat16 weights" if used & 2 else "")
 
 
 @contextlib.contextmanager

@@ -14,9 +14,16 @@
 //
 // Every output is summed in the same order (8 lanes along D, then the same horizontal sum; 16
 // lanes for int8 on AVX-512), whatever the number of rows, the tile it fell in, the thread that
-// ran it or whether the CPU has AVX-512: a row gets the same bits alone or in a batch.
+// ran it or whether the CPU has AVX-512: a row gets the same bits alone or in a batch. A bfloat16
+// weight whose D is a multiple of 32 goes through AMX's tiles where the CPU has them (namespace
+// amx), at every row count: a row's bits are then the same in any batch too, but not AVX2's.
+
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <type_traits>
+#include <vector>
 #include <utility>
 
 #include "common.h"
@@ -288,6 +295,137 @@ AVX512 void Columns(const float* x, const int8_t* w, const float* scale, float* 
 #undef AVX512
 }  // namespace avx512
 
+
+// A bfloat16 weight on a CPU with AMX (Intel since Sapphire Rapids): its tile unit multiplies a
+// tile of 16 weight rows x 32 weights by 32 weights of 16 columns in one instruction, whatever the
+// number of columns used, where an FMA does 16 weights of one row. Its operands are bfloat16, so a
+// float32 row of x goes in as three bfloat16 parts (its top 8 bits of significand, the next 8 and
+// the last 8: they sum to it exactly), three columns; their products are exact in float32 and the
+// three sums add up at the end. The weight tile is read in place (16 rows of 64 bytes, a row
+// apart); x is packed once a call into tiles of 5 rows' 15 columns (and one of zeros) by 32 weights
+// in pairs, as the instruction wants them. Every output is summed alike whatever the number of
+// rows, so a row gets the same bits alone or in a batch; they are not AVX2's bits (docs/design.md,
+// "Tiles of AMX").
+namespace amx {
+#define AMX __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,amx-tile,amx-bf16")))
+constexpr int64_t kDepth = 32;      // weights of a row in one tile
+constexpr int64_t kTileN = 16;      // weight rows in one tile
+constexpr int64_t kGroupRows = 5;   // rows of x in one tile of x: 3 columns each
+constexpr int64_t kPacked = 256;    // 32-bit words of a packed tile of x: 16 pairs x 16 columns
+constexpr int64_t kBlockCols = 64;  // weight rows a thread claims at a time
+
+struct alignas(64) Config {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tile 0: weights; 1: x; 2 to 7: the sums of up to 6 tiles of x. All 16 rows of 64 bytes.
+AMX inline void Configure() {
+  Config config;
+  for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.bytes_per_row[t] = 64;
+  _tile_loadconfig(&config);
+}
+
+// x [rows, d] -> packed[group][d / 32][16 pairs][16 columns]: column 3 * r + p of a group holds
+// part p of its row r, a 32-bit word bfloat16 weights 2i (low half) and 2i + 1 of the tile's 32.
+AMX void Pack(const float* x, int64_t rows, int64_t d, uint32_t* packed) {
+  const int64_t depths = d / kDepth;
+  std::fill(packed, packed + (rows + kGroupRows - 1) / kGroupRows * depths * kPacked, 0u);
+  const __m512i pair_rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                               _mm512_set1_epi32(16));
+  const __m512 top = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  for (int64_t r = 0; r < rows; ++r) {
+    uint32_t* column = packed + r / kGroupRows * depths * kPacked + 3 * (r % kGroupRows);
+    for (int64_t k = 0; k < depths; ++k, column += kPacked) {
+      __m512 a = _mm512_loadu_ps(x + r * d + k * kDepth), b = _mm512_loadu_ps(x + r * d + k * kDepth + 16);
+      for (int p = 0; p < 3; ++p) {  // truncated to bfloat16, the rest carried to the next part
+        const __m512 a_part = _mm512_and_ps(a, top), b_part = _mm512_and_ps(b, top);
+        const __m512i words = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b_part, a_part));
+        _mm512_i32scatter_epi32(column + p, pair_rows, words, 4);
+        a = _mm512_sub_ps(a, a_part), b = _mm512_sub_ps(b, b_part);
+      }
+    }
+  }
+}
+
+// Adds the three parts of each row's sums: `sums` [16 weight rows][16 columns] of a tile of
+// sums, for group g's rows and the nb weight rows from n.
+inline void Unpack(const float* sums, int64_t g, int64_t rows, int64_t nb, int64_t n, float* out, int64_t n_total) {
+  for (int64_t i = 0; i < kGroupRows && g * kGroupRows + i < rows; ++i) {
+    float* o = out + (g * kGroupRows + i) * n_total + n;
+    for (int64_t j = 0; j < nb; ++j) o[j] = sums[j * 16 + 3 * i] + (sums[j * 16 + 3 * i + 1] + sums[j * 16 + 3 * i + 2]);
+  }
+}
+
+// Columns [n0, n1) of out for all rows, from x packed: two tiles of weight rows by two tiles of x
+// at a time (tiles 0, 1 and 2, 3; their four tiles of sums 4 to 7), so every tile loaded serves
+// two products. Loading a tile is what binds (about 15 ns for its KB even from L1, where a product
+// takes 6.5: docs/design.md, "Tiles of AMX").
+AMX void Columns(const uint32_t* packed, const uint16_t* w, float* out, int64_t rows, int64_t n_total, int64_t d,
+                 int64_t n0, int64_t n1) {
+  const int64_t depths = d / kDepth, groups = (rows + kGroupRows - 1) / kGroupRows;
+  thread_local std::vector<uint16_t> last;  // the last weight rows of w, less than a tile, and zeros
+  alignas(64) float sums[kTileN * 16];
+  Configure();
+  for (int64_t n = n0; n < n1; n += 2 * kTileN) {
+    const int64_t nb0 = std::min(kTileN, n1 - n), nb1 = std::min(kTileN, n1 - n - kTileN);
+    const uint16_t* w0 = w + n * d;
+    const uint16_t* w1 = w0 + kTileN * d;
+    if (nb1 > 0 && nb1 < kTileN || nb0 < kTileN) {  // a tile past w's end reads zeros
+      last.assign(kTileN * d, 0);
+      if (nb1 > 0) {
+        std::copy(w1, w1 + nb1 * d, last.data());
+        w1 = last.data();
+      } else {
+        std::copy(w0, w0 + nb0 * d, last.data());
+        w0 = last.data();
+      }
+    }
+    for (int64_t g = 0; g < groups; g += 2) {
+      const bool two_w = nb1 > 0, two_x = g + 1 < groups;
+      const uint32_t* x0 = packed + g * depths * kPacked;
+      const uint32_t* x1 = x0 + depths * kPacked;
+      _tile_zero(4);
+      _tile_zero(5);
+      _tile_zero(6);
+      _tile_zero(7);
+      for (int64_t k = 0; k < depths; ++k) {
+        _tile_loadd(0, w0 + k * kDepth, 2 * d);
+        _tile_loadd(2, x0 + k * kPacked, 64);
+        _tile_dpbf16ps(4, 0, 2);
+        if (two_x) {
+          _tile_loadd(3, x1 + k * kPacked, 64);
+          _tile_dpbf16ps(5, 0, 3);
+        }
+        if (two_w) {
+          _tile_loadd(1, w1 + k * kDepth, 2 * d);
+          _tile_dpbf16ps(6, 1, 2);
+          if (two_x) _tile_dpbf16ps(7, 1, 3);
+        }
+      }
+      _tile_stored(4, sums, 64);
+      Unpack(sums, g, rows, nb0, n, out, n_total);
+      if (two_x) {
+        _tile_stored(5, sums, 64);
+        Unpack(sums, g + 1, rows, nb0, n, out, n_total);
+      }
+      if (two_w) {
+        _tile_stored(6, sums, 64);
+        Unpack(sums, g, rows, nb1, n + kTileN, out, n_total);
+        if (two_x) {
+          _tile_stored(7, sums, 64);
+          Unpack(sums, g + 1, rows, nb1, n + kTileN, out, n_total);
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+#undef AMX
+}  // namespace amx
+
 bool CpuHasAvx512() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -303,6 +441,24 @@ std::atomic<bool>& UseAvx512() {
 
 bool HasAvx512() { return UseAvx512().load(std::memory_order_relaxed); }
 
+// Whether the CPU has AMX's tiles and bfloat16 products, and the kernel lets this process use
+// them (Linux asks a process to request the tiles' 8 KB of state first).
+bool CpuHasAmx() {
+  __builtin_cpu_init();
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  const bool tiles = (edx >> 24) & 1, bf16 = (edx >> 22) & 1;
+  if (!__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) return false;
+  const bool avx512_bf16 = (eax >> 5) & 1;
+  constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+  return tiles && bf16 && avx512_bf16 && CpuHasAvx512() && syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+}
+
+std::atomic<bool>& UseAmx() {
+  static std::atomic<bool> use{CpuHasAmx()};
+  return use;
+}
+
 // WT is the weight's dtype: F32, BF16 (whose native type is its 16 bits, uint16_t) or S8, with
 // `scale` [N] for S8 and nullptr otherwise. A work item is a block of kBlockCols weight rows.
 template <ffi::DataType WT>
@@ -314,6 +470,19 @@ ffi::Error Run(ffi::ThreadPool pool, Matrix x, ffi::Buffer<WT, 2> w, const float
   const float* xs = x.typed_data();
   const W* ws = w.typed_data();
   float* os = out->typed_data();
+  if constexpr (std::is_same_v<W, uint16_t>) {
+    if (UseAmx().load(std::memory_order_relaxed) && d % amx::kDepth == 0) {
+      thread_local std::vector<uint32_t> packed;
+      packed.resize((rows + amx::kGroupRows - 1) / amx::kGroupRows * (d / amx::kDepth) * amx::kPacked);
+      amx::Pack(xs, rows, d, packed.data());
+      const uint32_t* ps = packed.data();
+      ParallelFor(pool, (n_total + amx::kBlockCols - 1) / amx::kBlockCols, [=](int64_t block) {
+        const int64_t n0 = block * amx::kBlockCols;
+        amx::Columns(ps, ws, os, rows, n_total, d, n0, std::min(n_total, n0 + amx::kBlockCols));
+      });
+      return ffi::Error::Success();
+    }
+  }
   ParallelFor(pool, (n_total + kBlockCols - 1) / kBlockCols, [=](int64_t block) {
     const int64_t n0 = block * kBlockCols;
     const int64_t n1 = std::min(n_total, n0 + kBlockCols);
@@ -365,6 +534,12 @@ extern "C" long jspec_set_spin_us(long us) { return jspec::Helpers::SpinMicros()
 
 // Lets the products use AVX-512 where the CPU has it (use != 0) or not; returns whether they did.
 extern "C" int jspec_use_avx512(int use) { return UseAvx512().exchange(use != 0 && CpuHasAvx512()); }
+
+// Lets bfloat16 products use AMX where the CPU has it (use != 0) or not; returns whether they did.
+extern "C" int jspec_use_amx(int use) { return UseAmx().exchange(use != 0 && CpuHasAmx()); }
+
+// The products' paths in use: 1 for AVX-512's tiles, + 2 for AMX's (bfloat16 weights).
+extern "C" int jspec_paths() { return HasAvx512() + 2 * UseAmx().load(std::memory_order_relaxed); }
 
 extern "C" int jspec_cpu_supported() {
   __builtin_cpu_init();

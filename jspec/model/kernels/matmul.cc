@@ -23,8 +23,8 @@
 #include <unistd.h>
 
 #include <type_traits>
-#include <vector>
 #include <utility>
+#include <vector>
 
 #include "common.h"
 
@@ -295,7 +295,6 @@ AVX512 void Columns(const float* x, const int8_t* w, const float* scale, float* 
 #undef AVX512
 }  // namespace avx512
 
-
 // A bfloat16 weight on a CPU with AMX (Intel since Sapphire Rapids): its tile unit multiplies a
 // tile of 16 weight rows x 32 weights by 32 weights of 16 columns in one instruction, whatever the
 // number of columns used, where an FMA does 16 weights of one row. Its operands are bfloat16, so a
@@ -311,7 +310,8 @@ namespace amx {
 constexpr int64_t kDepth = 32;      // weights of a row in one tile
 constexpr int64_t kTileN = 16;      // weight rows in one tile
 constexpr int64_t kGroupRows = 5;   // rows of x in one tile of x: 3 columns each
-constexpr int64_t kPacked = 256;    // 32-bit words of a packed tile of x: 16 pairs x 16 columns
+constexpr int64_t kColumns = 16;    // columns of a tile of x or of sums
+constexpr int64_t kPacked = 16 * kColumns;  // 32-bit words of a packed tile of x: 16 pairs of weights x 16 columns
 constexpr int64_t kBlockCols = 64;  // weight rows a thread claims at a time
 
 struct alignas(64) Config {
@@ -321,7 +321,7 @@ struct alignas(64) Config {
   uint8_t rows[16] = {};
 };
 
-// Tile 0: weights; 1: x; 2 to 7: the sums of up to 6 tiles of x. All 16 rows of 64 bytes.
+// Every tile 16 rows of 64 bytes: 0 and 1 weights, 2 and 3 x, 4 to 7 sums (Columns).
 AMX inline void Configure() {
   Config config;
   for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.bytes_per_row[t] = 64;
@@ -334,7 +334,7 @@ AMX void Pack(const float* x, int64_t rows, int64_t d, uint32_t* packed) {
   const int64_t depths = d / kDepth;
   std::fill(packed, packed + (rows + kGroupRows - 1) / kGroupRows * depths * kPacked, 0u);
   const __m512i pair_rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                               _mm512_set1_epi32(16));
+                                               _mm512_set1_epi32(kColumns));  // word i of 16 goes to pair row i
   const __m512 top = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
   for (int64_t r = 0; r < rows; ++r) {
     uint32_t* column = packed + r / kGroupRows * depths * kPacked + 3 * (r % kGroupRows);
@@ -355,7 +355,10 @@ AMX void Pack(const float* x, int64_t rows, int64_t d, uint32_t* packed) {
 inline void Unpack(const float* sums, int64_t g, int64_t rows, int64_t nb, int64_t n, float* out, int64_t n_total) {
   for (int64_t i = 0; i < kGroupRows && g * kGroupRows + i < rows; ++i) {
     float* o = out + (g * kGroupRows + i) * n_total + n;
-    for (int64_t j = 0; j < nb; ++j) o[j] = sums[j * 16 + 3 * i] + (sums[j * 16 + 3 * i + 1] + sums[j * 16 + 3 * i + 2]);
+    for (int64_t j = 0; j < nb; ++j) {
+      const float* parts = sums + j * kColumns + 3 * i;
+      o[j] = parts[0] + (parts[1] + parts[2]);
+    }
   }
 }
 
@@ -366,22 +369,19 @@ inline void Unpack(const float* sums, int64_t g, int64_t rows, int64_t nb, int64
 AMX void Columns(const uint32_t* packed, const uint16_t* w, float* out, int64_t rows, int64_t n_total, int64_t d,
                  int64_t n0, int64_t n1) {
   const int64_t depths = d / kDepth, groups = (rows + kGroupRows - 1) / kGroupRows;
-  thread_local std::vector<uint16_t> last;  // the last weight rows of w, less than a tile, and zeros
-  alignas(64) float sums[kTileN * 16];
+  thread_local std::vector<uint16_t> last;  // w's last weight rows, fewer than a tile, and zeros
+  alignas(64) float sums[kTileN * kColumns];
   Configure();
   for (int64_t n = n0; n < n1; n += 2 * kTileN) {
-    const int64_t nb0 = std::min(kTileN, n1 - n), nb1 = std::min(kTileN, n1 - n - kTileN);
+    const int64_t nb0 = std::min(kTileN, n1 - n), nb1 = std::clamp<int64_t>(n1 - n - kTileN, 0, kTileN);
     const uint16_t* w0 = w + n * d;
     const uint16_t* w1 = w0 + kTileN * d;
-    if (nb1 > 0 && nb1 < kTileN || nb0 < kTileN) {  // a tile past w's end reads zeros
+    const uint16_t*& short_tile = nb1 > 0 ? w1 : w0;  // only a pair's last tile can be short
+    const int64_t short_rows = nb1 > 0 ? nb1 : nb0;
+    if (short_rows < kTileN) {
       last.assign(kTileN * d, 0);
-      if (nb1 > 0) {
-        std::copy(w1, w1 + nb1 * d, last.data());
-        w1 = last.data();
-      } else {
-        std::copy(w0, w0 + nb0 * d, last.data());
-        w0 = last.data();
-      }
+      std::copy(short_tile, short_tile + short_rows * d, last.data());
+      short_tile = last.data();
     }
     for (int64_t g = 0; g < groups; g += 2) {
       const bool two_w = nb1 > 0, two_x = g + 1 < groups;
@@ -444,7 +444,6 @@ bool HasAvx512() { return UseAvx512().load(std::memory_order_relaxed); }
 // Whether the CPU has AMX's tiles and bfloat16 products, and the kernel lets this process use
 // them (Linux asks a process to request the tiles' 8 KB of state first).
 bool CpuHasAmx() {
-  __builtin_cpu_init();
   unsigned eax, ebx, ecx, edx;
   if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
   const bool tiles = (edx >> 24) & 1, bf16 = (edx >> 22) & 1;

@@ -351,14 +351,18 @@ AMX void Pack(const float* x, int64_t rows, int64_t d, uint32_t* packed) {
 }
 
 // Adds the three parts of each row's sums: `sums` [16 weight rows][16 columns] of a tile of
-// sums, for group g's rows and the nb weight rows from n.
-inline void Unpack(const float* sums, int64_t g, int64_t rows, int64_t nb, int64_t n, float* out, int64_t n_total) {
+// sums, for group g's rows and the nb weight rows from n (a column of sums gathered at a time).
+AMX inline void Unpack(const float* sums, int64_t g, int64_t rows, int64_t nb, int64_t n, float* out,
+                       int64_t n_total) {
+  const __m512i weight_rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                 _mm512_set1_epi32(kColumns));
+  const __mmask16 valid = static_cast<__mmask16>((1u << nb) - 1);
   for (int64_t i = 0; i < kGroupRows && g * kGroupRows + i < rows; ++i) {
-    float* o = out + (g * kGroupRows + i) * n_total + n;
-    for (int64_t j = 0; j < nb; ++j) {
-      const float* parts = sums + j * kColumns + 3 * i;
-      o[j] = parts[0] + (parts[1] + parts[2]);
-    }
+    const float* parts = sums + 3 * i;
+    const __m512 top = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, weight_rows, parts, 4);
+    const __m512 middle = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, weight_rows, parts + 1, 4);
+    const __m512 last = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, weight_rows, parts + 2, 4);
+    _mm512_mask_storeu_ps(out + (g * kGroupRows + i) * n_total + n, valid, _mm512_add_ps(top, _mm512_add_ps(middle, last)));
   }
 }
 

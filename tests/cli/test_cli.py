@@ -450,7 +450,8 @@ def test_env_names_versions_devices_and_cache(capsys, tmp_path, monkeypatch):
     assert rows["jax backend"] == jax.default_backend()
     assert rows["jax devices"] == f"{jax.device_count()} (cpu)"  # conftest's 8 simulated CPU devices
     assert rows["default model"].endswith(str(cache.default_gguf()))
-    assert rows["native kernel"].startswith("not used: " if kernels.unavailable else "used on a CPU for ")
+    used = f"used on a CPU ({kernels.paths()}) for "  # the instruction sets the products run on
+    assert rows["native kernel"].startswith("not used: " if kernels.unavailable else used)
     assert "activations float32 (--activation-dtype), KV cache float32 (--kv-cache-dtype)" in rows["numerics"]
     assert f"JSPEC_CACHE={folder}" in rows["environment"]
     assert rows["cache"] == str(folder)

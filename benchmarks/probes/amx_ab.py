@@ -23,6 +23,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from int8_matmul import STEP_SHAPES  # this script's folder
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout
 
@@ -31,13 +32,12 @@ from jspec import prompt_sets  # noqa: E402
 from jspec.bench.specs import read_bench_prompts  # noqa: E402
 from jspec.model import kernels  # noqa: E402
 
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]  # a step of SmolLM2-135M
 PATHS = {"AVX-512": False, "AMX": True}
 
 
 def matrices(rows: list[int]) -> None:
     rng = np.random.default_rng(0)
-    ws = [jnp.asarray(rng.standard_normal(s, dtype=np.float32) * 0.05, jnp.bfloat16) for s in SHAPES]
+    ws = [jnp.asarray(rng.standard_normal(s, dtype=np.float32) * 0.05, jnp.bfloat16) for s in STEP_SHAPES]
 
     @jax.jit
     def step(x576, x1536, ws):

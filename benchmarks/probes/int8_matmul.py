@@ -26,6 +26,10 @@ import numpy as np  # noqa: E402
 from jspec.model import kernels, weights  # noqa: E402
 
 
+# SmolLM2-135M's matrices of a decode step, [N, D]: 30 layers' four and the LM head.
+STEP_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
+
+
 def seconds(fn, *args, runs: int) -> float:
     fn(*args).block_until_ready()
     t = time.perf_counter()
@@ -36,10 +40,9 @@ def seconds(fn, *args, runs: int) -> float:
 
 
 def streamed(rng) -> None:
-    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
     for name in ("float32", "bfloat16", "int8"):
         ws = []
-        for n, d in shapes:
+        for n, d in STEP_SHAPES:
             w = jnp.asarray(rng.normal(size=(n, d)).astype(np.float32))
             ws.append(weights.quantize(w) if name == "int8" else w.astype(name))
 

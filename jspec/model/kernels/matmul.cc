@@ -314,6 +314,12 @@ constexpr int64_t kColumns = 16;    // columns of a tile of x or of sums
 constexpr int64_t kPacked = 16 * kColumns;  // 32-bit words of a packed tile of x: 16 pairs of weights x 16 columns
 constexpr int64_t kBlockCols = 64;  // weight rows a thread claims at a time
 
+// The first words of a tile's 16 rows of 16 columns, as gather and scatter offsets.
+AMX inline __m512i RowStarts() {
+  return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                            _mm512_set1_epi32(kColumns));
+}
+
 struct alignas(64) Config {
   uint8_t palette = 1, start_row = 0;
   uint8_t reserved[14] = {};
@@ -333,8 +339,7 @@ AMX inline void Configure() {
 AMX void Pack(const float* x, int64_t rows, int64_t d, uint32_t* packed) {
   const int64_t depths = d / kDepth;
   std::fill(packed, packed + (rows + kGroupRows - 1) / kGroupRows * depths * kPacked, 0u);
-  const __m512i pair_rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                               _mm512_set1_epi32(kColumns));  // word i of 16 goes to pair row i
+  const __m512i pair_rows = RowStarts();  // word i of 16 goes to pair row i
   const __m512 top = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
   for (int64_t r = 0; r < rows; ++r) {
     uint32_t* column = packed + r / kGroupRows * depths * kPacked + 3 * (r % kGroupRows);
@@ -354,8 +359,7 @@ AMX void Pack(const float* x, int64_t rows, int64_t d, uint32_t* packed) {
 // sums, for group g's rows and the nb weight rows from n (a column of sums gathered at a time).
 AMX inline void Unpack(const float* sums, int64_t g, int64_t rows, int64_t nb, int64_t n, float* out,
                        int64_t n_total) {
-  const __m512i weight_rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                                 _mm512_set1_epi32(kColumns));
+  const __m512i weight_rows = RowStarts();
   const __mmask16 valid = static_cast<__mmask16>((1u << nb) - 1);
   for (int64_t i = 0; i < kGroupRows && g * kGroupRows + i < rows; ++i) {
     const float* parts = sums + 3 * i;
@@ -462,6 +466,16 @@ std::atomic<bool>& UseAmx() {
   return use;
 }
 
+// Runs body(n0, n1) for the blocks [n0, n1) of `cols` weight rows covering [0, n_total), a work
+// item each.
+template <typename Body>
+void ForBlocks(ffi::ThreadPool& pool, int64_t n_total, int64_t cols, Body body) {
+  ParallelFor(pool, (n_total + cols - 1) / cols, [=](int64_t block) {
+    const int64_t n0 = block * cols;
+    body(n0, std::min(n_total, n0 + cols));
+  });
+}
+
 // WT is the weight's dtype: F32, BF16 (whose native type is its 16 bits, uint16_t) or S8, with
 // `scale` [N] for S8 and nullptr otherwise. A work item is a block of kBlockCols weight rows.
 template <ffi::DataType WT>
@@ -479,16 +493,12 @@ ffi::Error Run(ffi::ThreadPool pool, Matrix x, ffi::Buffer<WT, 2> w, const float
       packed.resize((rows + amx::kGroupRows - 1) / amx::kGroupRows * (d / amx::kDepth) * amx::kPacked);
       amx::Pack(xs, rows, d, packed.data());
       const uint32_t* ps = packed.data();
-      ParallelFor(pool, (n_total + amx::kBlockCols - 1) / amx::kBlockCols, [=](int64_t block) {
-        const int64_t n0 = block * amx::kBlockCols;
-        amx::Columns(ps, ws, os, rows, n_total, d, n0, std::min(n_total, n0 + amx::kBlockCols));
-      });
+      ForBlocks(pool, n_total, amx::kBlockCols,
+                [=](int64_t n0, int64_t n1) { amx::Columns(ps, ws, os, rows, n_total, d, n0, n1); });
       return ffi::Error::Success();
     }
   }
-  ParallelFor(pool, (n_total + kBlockCols - 1) / kBlockCols, [=](int64_t block) {
-    const int64_t n0 = block * kBlockCols;
-    const int64_t n1 = std::min(n_total, n0 + kBlockCols);
+  ForBlocks(pool, n_total, kBlockCols, [=](int64_t n0, int64_t n1) {
     if (!HasAvx512()) return avx2::Columns(xs, ws, scale, os, rows, n_total, d, n0, n1);
     if constexpr (std::is_same_v<W, int8_t>) {
       avx512::Columns(xs, ws, scale, os, rows, n_total, d, n0, n1);

@@ -1,12 +1,12 @@
-"""AMX's tiles against the AVX-512 tiles for bfloat16 weights, in one process, the two paths
+"""AMX's tiles against the AVX-512 tiles for bfloat16 or int8 weights, in one process, the two paths
 taking turns call by call (jspec/model/kernels/matmul.cc, docs/design.md "Tiles of AMX").
 
-    python benchmarks/probes/amx_ab.py --rows 1,5,9,16,32,64
-    python benchmarks/probes/amx_ab.py --methods ar,auto --batch-size 8
+    python benchmarks/probes/amx_ab.py --rows 1,5,9,16,32,64 [--dtype int8]
+    python benchmarks/probes/amx_ab.py --methods ar,auto --batch-size 8 [--dtype int8]
 
-With --rows: the default model's 121 matrices of a decode step (bfloat16, random values), each
+With --rows: the default model's 121 matrices of a decode step (random values in --dtype), each
 times R rows, in one program; the median of 15 calls a path. With --methods: the default model in
-bfloat16 decodes the first --prompts Spec-Bench questions (128 new tokens, greedy) --repeats
+--dtype decodes the first --prompts Spec-Bench questions (128 new tokens, greedy) --repeats
 times a path in turn, after an untimed pass of each (compiles, and measures a priced round's
 costs); tokens/s at batch size 1 over the records' own seconds, above it over the calls' wall
 time (prefill included). The switch is read inside the kernel at each call, so both paths run
@@ -30,14 +30,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 import jspec  # noqa: E402
 from jspec import prompt_sets  # noqa: E402
 from jspec.bench.specs import read_bench_prompts  # noqa: E402
-from jspec.model import kernels  # noqa: E402
+from jspec.model import kernels, weights  # noqa: E402
 
 PATHS = {"AVX-512": False, "AMX": True}
 
 
-def matrices(rows: list[int]) -> None:
+def matrices(rows: list[int], dtype: str) -> None:
     rng = np.random.default_rng(0)
-    ws = [jnp.asarray(rng.standard_normal(s, dtype=np.float32) * 0.05, jnp.bfloat16) for s in STEP_SHAPES]
+    ws = [jnp.asarray(rng.standard_normal(s, dtype=np.float32) * 0.05) for s in STEP_SHAPES]
+    ws = [weights.quantize(w) if dtype == "int8" else w.astype(dtype) for w in ws]
 
     @jax.jit
     def step(x576, x1536, ws):
@@ -59,8 +60,8 @@ def matrices(rows: list[int]) -> None:
         print(f"| {r} | {avx:.2f} | {amx:.2f} | {avx / amx:.2f}x |", flush=True)
 
 
-def decoding(methods: list[str], batch_size: int, prompts: int, repeats: int) -> None:
-    model = jspec.load(dtype="bfloat16")
+def decoding(methods: list[str], batch_size: int, prompts: int, repeats: int, dtype: str) -> None:
+    model = jspec.load(dtype=dtype)
     questions = read_bench_prompts(prompt_sets.resolve(prompt_sets.SPEC_BENCH), 1)[:prompts]
     tokens, seconds, outputs = {}, {}, {}
     for timed in (False,) + (True,) * repeats:
@@ -75,7 +76,7 @@ def decoding(methods: list[str], batch_size: int, prompts: int, repeats: int) ->
                     tokens[path, method] = tokens.get((path, method), 0) + sum(r["new_tokens"] for r in records)
                     seconds[path, method] = seconds.get((path, method), 0.0) + (
                         sum(r["seconds"] for r in records) if batch_size == 1 else wall)
-    print(f"bfloat16, batch {batch_size}, {len(questions)} questions, {repeats} repeats")
+    print(f"{dtype}, batch {batch_size}, {len(questions)} questions, {repeats} repeats")
     for method in methods:
         speed = {path: tokens[path, method] / seconds[path, method] for path in PATHS}
         same = all(outputs[path, method] == outputs[path, methods[0]] for path in PATHS)
@@ -90,13 +91,14 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "int8"])
     args = parser.parse_args()
     if kernels.unavailable or not kernels.amx(True):
         raise SystemExit(f"AMX's path is not available here: {kernels.unavailable or 'the CPU or Linux lacks AMX'}")
     if args.rows:
-        matrices([int(r) for r in args.rows.split(",")])
+        matrices([int(r) for r in args.rows.split(",")], args.dtype)
     else:
-        decoding(args.methods.split(","), args.batch_size, args.prompts, args.repeats)
+        decoding(args.methods.split(","), args.batch_size, args.prompts, args.repeats, args.dtype)
     kernels.amx(True)
 
 

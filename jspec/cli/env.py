@@ -50,9 +50,10 @@ def run(args: argparse.Namespace) -> int:
         rows.append(("compilation cache", compilation_cache.describe()))
     except RuntimeError as e:  # a backend that cannot start is what the report is about
         rows.append(("jax devices", f"unavailable: {one_line(e)}"))
+    int8_rows = "every row count" if kernels.uses_amx() else f"up to {kernels.MAX_INT8_ROWS} rows"
     rows.append(("native kernel", f"not used: {kernels.unavailable}" if kernels.unavailable
                  else f"used on a CPU ({kernels.paths()}) for up to {kernels.MAX_ROWS} float32 rows, every "
-                      f"bfloat16 weight and up to {kernels.MAX_INT8_ROWS} rows of an int8 one, "
+                      f"bfloat16 weight and {int8_rows} of an int8 one, "
                       f"and for attention over up to {kernels.MAX_QUERIES} positions a row"))
     rows.append(("accelerator attention", "a GPU's Pallas (Triton) kernel over each row's filled part of the KV cache"
                  + (" (off: JSPEC_NATIVE=0)" if not kernels.gpu_enabled else "")

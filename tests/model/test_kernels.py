@@ -68,11 +68,14 @@ def test_int8_matmul_equals_the_jax_path(kernel, use_native, rows, n, d):
     np.testing.assert_allclose(got, exact, atol=1e-4, rtol=1e-5)
 
 
-def test_int8_row_gets_the_same_bits_in_any_batch(kernel):
-    x, w = random((80, 100), 2), weights.quantize(random((61, 100), 3))
-    full = np.asarray(jax.jit(kernels.matmul)(x, w))
-    for rows in (1, 3, 16, 17, 72):
-        np.testing.assert_array_equal(np.asarray(jax.jit(kernels.matmul)(x[:rows], w)), full[:rows])
+@pytest.mark.parametrize("d", [100, 128])  # D of 128 takes AMX's tiles where the CPU has them
+def test_int8_row_gets_the_same_bits_in_any_batch(kernel, d):
+    x, w = random((80, d), 2), weights.quantize(random((61, d), 3))
+    product = jax.jit(kernels.matmul)
+    full = np.asarray(product(x, w))
+    for rows in (1, 3, 5, 6, 16, 17, 72):
+        np.testing.assert_array_equal(np.asarray(product(x[:rows], w)), full[:rows])
+    np.testing.assert_array_equal(np.asarray(product(x[::-1], w))[::-1], full)  # each row elsewhere in the call
 
 
 @pytest.fixture
@@ -104,10 +107,10 @@ def test_avx2_and_avx512_tiles_give_the_same_bits(avx2_too, dtype):
 
 @pytest.fixture
 def amx_too(kernel):
-    """For tests that run the bfloat16 product on AMX's tiles and on AVX's; yields a function that
-    switches between them (the CPU must have AMX and Linux must let the process use it)."""
+    """For tests that run the bfloat16 and int8 products on AMX's tiles and on AVX's; yields a
+    function that switches between them (the CPU must have AMX and Linux must let the process use it)."""
     if not kernels.amx(True):
-        pytest.skip("this CPU lacks AMX (tiles, bfloat16 products, AVX-512 BF16), or Linux refused them")
+        pytest.skip("this CPU lacks AMX (tiles, bfloat16 and int8 products, AVX-512 BF16), or Linux refused them")
     yield kernels.amx
     kernels.amx(True)
 
@@ -128,6 +131,30 @@ def test_amx_product_equals_the_exact_one(amx_too, rows, n, d):
     bound = 4 * np.finfo(np.float32).eps * (np.abs(np.asarray(x)) @ np.abs(np.asarray(w.astype(jnp.float32))).T)
     assert np.all(np.abs(amx - exact) <= bound) and np.all(np.abs(avx - exact) <= bound)
     assert not np.array_equal(amx, avx) or rows * n < 8, "AMX's sums should round apart from AVX's somewhere"
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 11, 16, 33, 65, 130])
+@pytest.mark.parametrize("n, d", [(7, 64), (97, 128), (130, 576)])
+def test_amx_int8_product_equals_the_exact_one(amx_too, rows, n, d):
+    """An int8 weight on AMX's tiles, x in three digits of x / s (s the row's power of two with
+    |x / s| <= 127, digits at powers of 128): within s / 2^15 of x, which is 4 float32 epsilons of
+    the row's largest |x|; the bound is twice that times the sum of the weight row's |w|, so it
+    holds the float32 rounding of the sum too. A row of zeros gives zeros; a row with one value
+    40 times the others still meets the bound. N of 7, 97 and 130 leave a last tile of weight rows
+    part empty; 6, 11, 16, 33, 65 and 130 rows a last tile of x part empty."""
+    x = np.asarray(random((rows, d), 0)) * 10
+    x[-1, 3] = 40 * np.abs(x[-1]).max()
+    x[: rows // 2] = 0  # rows of zeros where there are two rows or more
+    w = weights.quantize(random((n, d), 1))
+    wide = np.asarray(weights.dequantize(w), np.float64)
+    exact = x.astype(np.float64) @ wide.T
+    product = jax.jit(kernels.matmul)
+    amx = np.asarray(product(jnp.asarray(x), w))
+    bound = 8 * np.finfo(np.float32).eps * np.abs(x).max(1, keepdims=True) * np.abs(wide).sum(1)
+    assert np.all(np.abs(amx - exact) <= bound)
+    assert not amx[: rows // 2].any()
+    amx_too(False)
+    assert not np.array_equal(amx, np.asarray(product(jnp.asarray(x), w))) or rows * n < 8, "AMX's path not taken"
 
 
 @pytest.mark.parametrize("rows", [1, 5, 17])
@@ -190,10 +217,21 @@ def test_linear_takes_the_kernel_only_in_its_range(kernel, use_native):
     w = random((6, 16), 0)
     for rows, expected in [(1, True), (2, True), (kernels.MAX_ROWS, True), (kernels.MAX_ROWS + 1, False)]:
         assert calls_kernel(random((1, rows, 16), 1), w) == expected, rows
-    int8 = lambda rows: "jspec_matmul_int8" in str(jax.make_jaxpr(M.linear)(random((1, rows, 16), 1),  # noqa: E731
-                                                                           weights.quantize(w)))
-    assert [int8(rows) for rows in (1, kernels.MAX_ROWS + 1, kernels.MAX_INT8_ROWS, kernels.MAX_INT8_ROWS + 1)] == [
-        True, True, True, False]
+
+    def int8(rows, d=16):
+        return "jspec_matmul_int8" in str(jax.make_jaxpr(M.linear)(random((1, rows, d), 1),
+                                                                   weights.quantize(random((6, d), 0))))
+
+    amx = kernels.amx(False)  # without AMX's tiles an int8 weight takes it up to MAX_INT8_ROWS rows
+    try:
+        assert [int8(rows) for rows in (1, kernels.MAX_ROWS + 1, kernels.MAX_INT8_ROWS, kernels.MAX_INT8_ROWS + 1)] == [
+            True, True, True, False]
+    finally:
+        kernels.amx(amx)
+        jax.clear_caches()  # `takes` asked at trace time
+    if amx:  # with them, at every row count where D suits the tiles (16 does not)
+        assert not int8(kernels.MAX_INT8_ROWS + 1)
+        assert int8(kernels.MAX_INT8_ROWS + 1, kernels.AMX_INT8_DEPTH) and int8(300, kernels.AMX_INT8_DEPTH)
     x = random((1, 4, 16), 1)
     for rows in (1, 4, 300):  # bfloat16 weights take it at every row count
         assert calls_kernel(random((1, rows, 16), 1), w.astype(jnp.bfloat16)), rows

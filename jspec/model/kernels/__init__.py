@@ -38,11 +38,15 @@ TARGETS = {jnp.dtype(jnp.float32): "jspec_matmul", jnp.dtype(jnp.bfloat16): "jsp
 # it at every row count: XLA converts the whole weight before its matmul, and its
 # multiply-and-sum ran 13x slower inside the decoding loop than alone.
 MAX_ROWS = 32
-# The most rows an int8 weight takes it for. Past them (a prefill) the product is bound by
-# arithmetic, not by reading the weight, and XLA's mixed int8 product was faster: on a [3072, 576]
-# weight 2.8 ms against 3.0 at 128 rows, 10.1 against 11.6 at 512, where at 64 the kernel took
-# 1.55 ms against 2.1 (benchmarks/probes/int8_matmul.py, docs/journal/2026-12-04_int8-weights.md).
+# The most rows an int8 weight takes it for without AMX. Past them (a prefill) the product is
+# bound by arithmetic, not by reading the weight, and XLA's mixed int8 product was faster: on a
+# [3072, 576] weight 2.8 ms against 3.0 at 128 rows, 10.1 against 11.6 at 512, where at 64 the
+# kernel took 1.55 ms against 2.1 (benchmarks/probes/int8_matmul.py, on an AMD EPYC host:
+# docs/journal/2026-12-04_int8-weights.md). With AMX's integer tiles it takes every row count
+# (2.5x the AVX-512 path's speed past 64 rows, and faster still than XLA's: docs/design.md,
+# "Tiles of AMX").
 MAX_INT8_ROWS = 64
+AMX_INT8_DEPTH = 64  # AMX's tiles take an int8 weight whose D is a multiple of this (matmul.cc)
 # Query positions per row the attention kernel takes: decode steps, verifications and beams. A
 # prefill's blocks of 64 stay XLA's, whose matmuls were faster there (0.83-0.92x with the kernel
 # over one 896-token prompt: docs/journal/2026-11-24_attention-kernel.md).
@@ -101,11 +105,18 @@ def avx512(use: bool) -> bool:
 
 
 def amx(use: bool) -> bool:
-    """Let bfloat16 products use AMX's tiles where the CPU has them (the default), or not; returns
-    whether they did. For tests and probes that run the AVX paths on a CPU with AMX."""
+    """Let bfloat16 and int8 products use AMX's tiles where the CPU has them (the default), or not;
+    returns whether they did. For tests and probes that run the AVX paths on a CPU with AMX. The
+    kernel reads it at each call; `takes` reads it at trace time for int8 past MAX_INT8_ROWS rows
+    (call jax.clear_caches() after switching where that matters)."""
     if _lib is None:
         raise RuntimeError(f"the CPU kernels are unavailable: {unavailable}")
     return bool(_lib.jspec_use_amx(ctypes.c_int(use)))
+
+
+def uses_amx() -> bool:
+    """Whether the CPU's bfloat16 and int8 products run on AMX's tiles in this process."""
+    return _lib is not None and bool(_lib.jspec_paths() & 2)
 
 
 def paths() -> str:
@@ -113,7 +124,7 @@ def paths() -> str:
     if _lib is None:
         return "none"
     used = _lib.jspec_paths()
-    return ("AVX-512" if used & 1 else "AVX2") + (", AMX for bfloat16 weights" if used & 2 else "")
+    return ("AVX-512" if used & 1 else "AVX2") + (", AMX for bfloat16 and int8 weights" if used & 2 else "")
 
 
 @contextlib.contextmanager
@@ -135,7 +146,7 @@ def takes(x: jax.Array, w, rows: int) -> bool:
     if not enabled or x.dtype != jnp.float32 or numerics.platform() != "cpu":
         return False
     if w.dtype == jnp.int8:
-        return rows <= MAX_INT8_ROWS
+        return rows <= MAX_INT8_ROWS or (uses_amx() and w.shape[1] % AMX_INT8_DEPTH == 0)
     return w.dtype == jnp.bfloat16 or (w.dtype == jnp.float32 and rows <= MAX_ROWS)
 
 

@@ -15,13 +15,15 @@
 // Every output is summed in the same order (8 lanes along D, then the same horizontal sum; 16
 // lanes for int8 on AVX-512), whatever the number of rows, the tile it fell in, the thread that
 // ran it or whether the CPU has AVX-512: a row gets the same bits alone or in a batch. A bfloat16
-// weight whose D is a multiple of 32 goes through AMX's tiles where the CPU has them (namespace
-// amx), at every row count: a row's bits are then the same in any batch too, but not AVX2's.
+// weight whose D is a multiple of 32, and an int8 one whose D is a multiple of 64, go through AMX's
+// tiles where the CPU has them (namespace amx), at every row count: a row's bits are then the
+// same in any batch too, but not AVX2's.
 
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -295,24 +297,32 @@ AVX512 void Columns(const float* x, const int8_t* w, const float* scale, float* 
 #undef AVX512
 }  // namespace avx512
 
-// A bfloat16 weight on a CPU with AMX (Intel since Sapphire Rapids): its tile unit multiplies a
-// tile of 16 weight rows x 32 weights by 32 weights of 16 columns in one instruction, whatever the
-// number of columns used, where an FMA does 16 weights of one row. Its operands are bfloat16, so a
-// float32 row of x goes in as three bfloat16 parts (its top 8 bits of significand, the next 8 and
-// the last 8: they sum to it exactly), three columns; their products are exact in float32 and the
-// three sums add up at the end. The weight tile is read in place (16 rows of 64 bytes, a row
-// apart); x is packed once a call into tiles of 5 rows' 15 columns (and one of zeros) by 32 weights
-// in pairs, as the instruction wants them. Every output is summed alike whatever the number of
-// rows, so a row gets the same bits alone or in a batch; they are not AVX2's bits (docs/design.md,
-// "Tiles of AMX").
+// A bfloat16 or int8 weight on a CPU with AMX (Intel since Sapphire Rapids): its tile unit
+// multiplies a tile of 16 weight rows x 64 bytes of weights (32 bfloat16, 64 int8) by as many
+// values of 16 columns in one instruction, whatever the number of columns used, where an FMA does
+// 16 weights of one row. Its operands are bfloat16 or int8, so a float32 row of x goes in as three
+// parts, three columns:
+// - for bfloat16, its top 8 bits of significand, the next 8 and the last 8, which sum to it
+//   exactly; their products are exact in float32, summed in float32, and the three sums added;
+// - for int8, three digits of x / s, s the row's power of two with |x / s| <= 127: x = s (q0 + q1 /
+//   128 + q2 / 128^2) to within s / 2^15 (2^-21 of the row's largest value), q0 in [-127, 127] and
+//   q1, q2 in [-64, 64]; their products are summed exactly in 32-bit integers, then scaled back
+//   (x's error is 13 bits below the weights' own; docs/design.md, "Tiles of AMX").
+// The weight tile is read in place (16 rows of 64 bytes, a row apart); x is packed once a call
+// into tiles of 5 rows' 15 columns (and one of zeros) by 64 bytes of weights, in pairs of
+// bfloat16 or fours of int8 as the instructions want them. Every output is summed alike whatever
+// the number of rows, so a row gets the same bits alone or in a batch; they are not the AVX
+// paths' bits.
 namespace amx {
-#define AMX __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,amx-tile,amx-bf16")))
-constexpr int64_t kDepth = 32;      // weights of a row in one tile
-constexpr int64_t kTileN = 16;      // weight rows in one tile
-constexpr int64_t kGroupRows = 5;   // rows of x in one tile of x: 3 columns each
-constexpr int64_t kColumns = 16;    // columns of a tile of x or of sums
-constexpr int64_t kPacked = 16 * kColumns;  // 32-bit words of a packed tile of x: 16 pairs of weights x 16 columns
-constexpr int64_t kBlockCols = 64;  // weight rows a thread claims at a time
+#define AMX \
+  __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,amx-tile,amx-bf16,amx-int8")))
+template <typename W>
+constexpr int64_t kDepth = 64 / sizeof(W);  // weights of a row in one tile
+constexpr int64_t kTileN = 16;              // weight rows in one tile
+constexpr int64_t kGroupRows = 5;           // rows of x in one tile of x: 3 columns each
+constexpr int64_t kColumns = 16;            // columns of a tile of x or of sums
+constexpr int64_t kPacked = 16 * kColumns;  // 32-bit words of a packed tile of x: 16 rows x 16 columns
+constexpr int64_t kBlockCols = 64;          // weight rows a thread claims at a time
 
 // The first words of a tile's 16 rows of 16 columns, as gather and scatter offsets.
 AMX inline __m512i RowStarts() {
@@ -334,57 +344,147 @@ AMX inline void Configure() {
   _tile_loadconfig(&config);
 }
 
-// x [rows, d] -> packed[group][d / 32][16 pairs][16 columns]: column 3 * r + p of a group holds
-// part p of its row r, a 32-bit word bfloat16 weights 2i (low half) and 2i + 1 of the tile's 32.
+// Where part p of row r's words of depth k go: column 3 (r % 5) + p of its group's tile k.
+inline uint32_t* Column(uint32_t* packed, int64_t depths, int64_t r, int64_t k) {
+  return packed + (r / kGroupRows * depths + k) * kPacked + 3 * (r % kGroupRows);
+}
+
+// x [rows, d] -> packed[group][d / 32][16 rows][16 columns]: a 32-bit word holds bfloat16 parts
+// of x's values 2i (low half) and 2i + 1 of the tile's 32, row i.
 AMX void Pack(const float* x, int64_t rows, int64_t d, uint32_t* packed) {
-  const int64_t depths = d / kDepth;
-  std::fill(packed, packed + (rows + kGroupRows - 1) / kGroupRows * depths * kPacked, 0u);
-  const __m512i pair_rows = RowStarts();  // word i of 16 goes to pair row i
+  const int64_t depths = d / kDepth<uint16_t>;
+  const __m512i pair_rows = RowStarts();  // word i of 16 goes to row i
   const __m512 top = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
   for (int64_t r = 0; r < rows; ++r) {
-    uint32_t* column = packed + r / kGroupRows * depths * kPacked + 3 * (r % kGroupRows);
-    for (int64_t k = 0; k < depths; ++k, column += kPacked) {
-      __m512 a = _mm512_loadu_ps(x + r * d + k * kDepth), b = _mm512_loadu_ps(x + r * d + k * kDepth + 16);
+    for (int64_t k = 0; k < depths; ++k) {
+      const float* v = x + r * d + k * kDepth<uint16_t>;
+      __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
       for (int p = 0; p < 3; ++p) {  // truncated to bfloat16, the rest carried to the next part
         const __m512 a_part = _mm512_and_ps(a, top), b_part = _mm512_and_ps(b, top);
         const __m512i words = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b_part, a_part));
-        _mm512_i32scatter_epi32(column + p, pair_rows, words, 4);
+        _mm512_i32scatter_epi32(Column(packed, depths, r, k) + p, pair_rows, words, 4);
         a = _mm512_sub_ps(a, a_part), b = _mm512_sub_ps(b, b_part);
       }
     }
   }
 }
 
-// Adds the three parts of each row's sums: `sums` [16 weight rows][16 columns] of a tile of
-// sums, for group g's rows and the nb weight rows from n (a column of sums gathered at a time).
-AMX inline void Unpack(const float* sums, int64_t g, int64_t rows, int64_t nb, int64_t n, float* out,
-                       int64_t n_total) {
-  const __m512i weight_rows = RowStarts();
-  const __mmask16 valid = static_cast<__mmask16>((1u << nb) - 1);
-  for (int64_t i = 0; i < kGroupRows && g * kGroupRows + i < rows; ++i) {
-    const float* parts = sums + 3 * i;
-    const __m512 top = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, weight_rows, parts, 4);
-    const __m512 middle = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, weight_rows, parts + 1, 4);
-    const __m512 last = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, weight_rows, parts + 2, 4);
-    _mm512_mask_storeu_ps(out + (g * kGroupRows + i) * n_total + n, valid, _mm512_add_ps(top, _mm512_add_ps(middle, last)));
+// The power of two s with max |v| <= 127 s over a row of d values (1 for a row of zeros; at least
+// 2^-100, whose inverse is a float).
+AMX float RowScale(const float* v, int64_t d) {
+  __m512 big = _mm512_setzero_ps();
+  for (int64_t k = 0; k < d; k += 16) big = _mm512_max_ps(big, _mm512_abs_ps(_mm512_loadu_ps(v + k)));
+  const float m = _mm512_reduce_max_ps(big);
+  if (m == 0.0f) return 1.0f;
+  int e;
+  std::frexp(m / 127.0f, &e);  // m / 127 < 2^e
+  e = std::max(e, -100);
+  while (e > -100 && m <= 127.0f * std::ldexp(1.0f, e - 1)) --e;
+  while (m > 127.0f * std::ldexp(1.0f, e)) ++e;
+  return std::ldexp(1.0f, e);
+}
+
+// x [rows, d] -> packed[group][d / 64][16 rows][16 columns] and row_scale [rows]: a 32-bit word
+// holds a digit of x's values 4i .. 4i + 3 of the tile's 64 (lowest byte first), row i.
+AMX void PackInt8(const float* x, int64_t rows, int64_t d, uint32_t* packed, float* row_scale) {
+  const int64_t depths = d / kDepth<int8_t>;
+  const __m512i quad_rows = RowStarts();
+  for (int64_t r = 0; r < rows; ++r) {
+    row_scale[r] = RowScale(x + r * d, d);
+    const __m512 inverse = _mm512_set1_ps(1.0f / row_scale[r]);  // a power of two: exact
+    for (int64_t k = 0; k < depths; ++k) {
+      __m512 t[4];
+      for (int j = 0; j < 4; ++j) t[j] = _mm512_mul_ps(_mm512_loadu_ps(x + r * d + k * 64 + 16 * j), inverse);
+      for (int p = 0; p < 3; ++p) {  // rounded to the nearest digit, the rest carried, times 128
+        __m512i words = _mm512_setzero_si512();
+        for (int j = 0; j < 4; ++j) {
+          const __m512 q = _mm512_roundscale_ps(t[j], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          words = _mm512_inserti32x4(words, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q)), j);
+          t[j] = _mm512_mul_ps(_mm512_sub_ps(t[j], q), _mm512_set1_ps(128.0f));
+        }
+        _mm512_i32scatter_epi32(Column(packed, depths, r, k) + p, quad_rows, words, 4);
+      }
+    }
   }
 }
+
+// The 16 columns of a 16 x 16 tile of 32-bit values (its rows `r`), each a register: lane i of
+// column j is r[i]'s lane j.
+AMX inline void Transpose(const __m512 (&r)[16], __m512 (&column)[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  for (int i = 0; i < 16; i += 4) {  // u[i + e]: lane L holds rows i .. i + 3 of column 4 L + e
+    u[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512 a = _mm512_shuffle_f32x4(u[e], u[4 + e], 0x88), b = _mm512_shuffle_f32x4(u[e], u[4 + e], 0xDD);
+    const __m512 c = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0x88), d = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0xDD);
+    column[e] = _mm512_shuffle_f32x4(a, c, 0x88), column[8 + e] = _mm512_shuffle_f32x4(a, c, 0xDD);
+    column[4 + e] = _mm512_shuffle_f32x4(b, d, 0x88), column[12 + e] = _mm512_shuffle_f32x4(b, d, 0xDD);
+  }
+}
+
+// The 16 int32 lanes of v as floats.
+AMX inline __m512 Float(__m512 v) { return _mm512_cvtepi32_ps(_mm512_castps_si512(v)); }
+
+// Adds up the three parts of each row's sums: `sums` [16 weight rows][16 columns] of a tile of
+// sums, for group g's rows and the nb weight rows from n (the tile transposed in registers).
+// For bfloat16 the parts' float sums add; for int8 the digits' integer sums, each at its power of
+// 128, times the row's scale and the weight rows' (`scale`).
+template <typename W>
+AMX inline void Unpack(const void* sums, int64_t g, int64_t rows, int64_t nb, int64_t n, float* out,
+                       int64_t n_total, const float* scale, const float* row_scale) {
+  const __mmask16 valid = static_cast<__mmask16>((1u << nb) - 1);
+  __m512 r[16], column[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(static_cast<const float*>(sums) + 16 * i);
+  Transpose(r, column);
+  for (int64_t i = 0; i < kGroupRows && g * kGroupRows + i < rows; ++i) {
+    const int64_t row = g * kGroupRows + i;
+    const __m512* part = column + 3 * i;
+    __m512 y;
+    if constexpr (std::is_same_v<W, int8_t>) {
+      y = _mm512_fmadd_ps(Float(part[2]), _mm512_set1_ps(1.0f / 16384),
+                          _mm512_fmadd_ps(Float(part[1]), _mm512_set1_ps(1.0f / 128), Float(part[0])));
+      y = _mm512_mul_ps(_mm512_mul_ps(y, _mm512_set1_ps(row_scale[row])), _mm512_maskz_loadu_ps(valid, scale + n));
+    } else {
+      y = _mm512_add_ps(part[0], _mm512_add_ps(part[1], part[2]));
+    }
+    _mm512_mask_storeu_ps(out + row * n_total + n, valid, y);
+  }
+}
+
+// Sums tile c += weight tile a x tile of x b. (A macro: the instructions name their tiles in text.)
+#define PRODUCT(c, a, b)                       \
+  do {                                         \
+    if constexpr (std::is_same_v<W, int8_t>) { \
+      _tile_dpbssd(c, a, b);                   \
+    } else {                                   \
+      _tile_dpbf16ps(c, a, b);                 \
+    }                                          \
+  } while (0)
 
 // Columns [n0, n1) of out for all rows, from x packed: two tiles of weight rows by two tiles of x
 // at a time (tiles 0, 1 and 2, 3; their four tiles of sums 4 to 7), so every tile loaded serves
 // two products. Loading a tile is what binds (about 15 ns for its KB even from L1, where a product
 // takes 6.5: docs/design.md, "Tiles of AMX").
-AMX void Columns(const uint32_t* packed, const uint16_t* w, float* out, int64_t rows, int64_t n_total, int64_t d,
-                 int64_t n0, int64_t n1) {
-  const int64_t depths = d / kDepth, groups = (rows + kGroupRows - 1) / kGroupRows;
-  thread_local std::vector<uint16_t> last;  // w's last weight rows, fewer than a tile, and zeros
-  alignas(64) float sums[kTileN * kColumns];
+template <typename W>
+AMX void Columns(const uint32_t* packed, const W* w, float* out, int64_t rows, int64_t n_total, int64_t d,
+                 int64_t n0, int64_t n1, const float* scale, const float* row_scale) {
+  const int64_t depths = d / kDepth<W>, groups = (rows + kGroupRows - 1) / kGroupRows, stride = d * sizeof(W);
+  thread_local std::vector<W> last;  // w's last weight rows, fewer than a tile, and zeros
+  alignas(64) int32_t sums[kTileN * kColumns];
+  const auto unpack = [&](int64_t g, int64_t nb, int64_t n) {
+    Unpack<W>(sums, g, rows, nb, n, out, n_total, scale, row_scale);
+  };
   Configure();
   for (int64_t n = n0; n < n1; n += 2 * kTileN) {
     const int64_t nb0 = std::min(kTileN, n1 - n), nb1 = std::clamp<int64_t>(n1 - n - kTileN, 0, kTileN);
-    const uint16_t* w0 = w + n * d;
-    const uint16_t* w1 = w0 + kTileN * d;
-    const uint16_t*& short_tile = nb1 > 0 ? w1 : w0;  // only a pair's last tile can be short
+    const W* w0 = w + n * d;
+    const W* w1 = w0 + kTileN * d;
+    const W*& short_tile = nb1 > 0 ? w1 : w0;  // only a pair's last tile can be short
     const int64_t short_rows = nb1 > 0 ? nb1 : nb0;
     if (short_rows < kTileN) {
       last.assign(kTileN * d, 0);
@@ -400,37 +500,38 @@ AMX void Columns(const uint32_t* packed, const uint16_t* w, float* out, int64_t 
       _tile_zero(6);
       _tile_zero(7);
       for (int64_t k = 0; k < depths; ++k) {
-        _tile_loadd(0, w0 + k * kDepth, 2 * d);
+        _tile_loadd(0, w0 + k * kDepth<W>, stride);
         _tile_loadd(2, x0 + k * kPacked, 64);
-        _tile_dpbf16ps(4, 0, 2);
+        PRODUCT(4, 0, 2);
         if (two_x) {
           _tile_loadd(3, x1 + k * kPacked, 64);
-          _tile_dpbf16ps(5, 0, 3);
+          PRODUCT(5, 0, 3);
         }
         if (two_w) {
-          _tile_loadd(1, w1 + k * kDepth, 2 * d);
-          _tile_dpbf16ps(6, 1, 2);
-          if (two_x) _tile_dpbf16ps(7, 1, 3);
+          _tile_loadd(1, w1 + k * kDepth<W>, stride);
+          PRODUCT(6, 1, 2);
+          if (two_x) PRODUCT(7, 1, 3);
         }
       }
       _tile_stored(4, sums, 64);
-      Unpack(sums, g, rows, nb0, n, out, n_total);
+      unpack(g, nb0, n);
       if (two_x) {
         _tile_stored(5, sums, 64);
-        Unpack(sums, g + 1, rows, nb0, n, out, n_total);
+        unpack(g + 1, nb0, n);
       }
       if (two_w) {
         _tile_stored(6, sums, 64);
-        Unpack(sums, g, rows, nb1, n + kTileN, out, n_total);
+        unpack(g, nb1, n + kTileN);
         if (two_x) {
           _tile_stored(7, sums, 64);
-          Unpack(sums, g + 1, rows, nb1, n + kTileN, out, n_total);
+          unpack(g + 1, nb1, n + kTileN);
         }
       }
     }
   }
   _tile_release();
 }
+#undef PRODUCT
 #undef AMX
 }  // namespace amx
 
@@ -449,16 +550,16 @@ std::atomic<bool>& UseAvx512() {
 
 bool HasAvx512() { return UseAvx512().load(std::memory_order_relaxed); }
 
-// Whether the CPU has AMX's tiles and bfloat16 products, and the kernel lets this process use
+// Whether the CPU has AMX's tiles with bfloat16 and int8 products, and the kernel lets this process use
 // them (Linux asks a process to request the tiles' 8 KB of state first).
 bool CpuHasAmx() {
   unsigned eax, ebx, ecx, edx;
   if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-  const bool tiles = (edx >> 24) & 1, bf16 = (edx >> 22) & 1;
+  const bool tiles = (edx >> 24) & 1, bf16 = (edx >> 22) & 1, int8 = (edx >> 25) & 1;
   if (!__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) return false;
   const bool avx512_bf16 = (eax >> 5) & 1;
   constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-  return tiles && bf16 && avx512_bf16 && CpuHasAvx512() && syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  return tiles && bf16 && int8 && avx512_bf16 && CpuHasAvx512() && syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
 }
 
 std::atomic<bool>& UseAmx() {
@@ -487,14 +588,22 @@ ffi::Error Run(ffi::ThreadPool pool, Matrix x, ffi::Buffer<WT, 2> w, const float
   const float* xs = x.typed_data();
   const W* ws = w.typed_data();
   float* os = out->typed_data();
-  if constexpr (std::is_same_v<W, uint16_t>) {
-    if (UseAmx().load(std::memory_order_relaxed) && d % amx::kDepth == 0) {
+  if constexpr (!std::is_same_v<W, float>) {
+    if (UseAmx().load(std::memory_order_relaxed) && d % amx::kDepth<W> == 0) {
       thread_local std::vector<uint32_t> packed;
-      packed.resize((rows + amx::kGroupRows - 1) / amx::kGroupRows * (d / amx::kDepth) * amx::kPacked);
-      amx::Pack(xs, rows, d, packed.data());
+      thread_local std::vector<float> row_scale;
+      packed.assign((rows + amx::kGroupRows - 1) / amx::kGroupRows * (d / amx::kDepth<W>) * amx::kPacked, 0u);
+      if constexpr (std::is_same_v<W, int8_t>) {
+        row_scale.resize(rows);
+        amx::PackInt8(xs, rows, d, packed.data(), row_scale.data());
+      } else {
+        amx::Pack(xs, rows, d, packed.data());
+      }
       const uint32_t* ps = packed.data();
-      ForBlocks(pool, n_total, amx::kBlockCols,
-                [=](int64_t n0, int64_t n1) { amx::Columns(ps, ws, os, rows, n_total, d, n0, n1); });
+      const float* rs = row_scale.data();
+      ForBlocks(pool, n_total, amx::kBlockCols, [=](int64_t n0, int64_t n1) {
+        amx::Columns<W>(ps, ws, os, rows, n_total, d, n0, n1, scale, rs);
+      });
       return ffi::Error::Success();
     }
   }
@@ -548,7 +657,7 @@ extern "C" long jspec_set_spin_us(long us) { return jspec::Helpers::SpinMicros()
 // Lets the products use AVX-512 where the CPU has it (use != 0) or not; returns whether they did.
 extern "C" int jspec_use_avx512(int use) { return UseAvx512().exchange(use != 0 && CpuHasAvx512()); }
 
-// Lets bfloat16 products use AMX where the CPU has it (use != 0) or not; returns whether they did.
+// Lets bfloat16 and int8 products use AMX where the CPU has it (use != 0) or not; returns whether they did.
 extern "C" int jspec_use_amx(int use) { return UseAmx().exchange(use != 0 && CpuHasAmx()); }
 
 // The products' paths in use: 1 for AVX-512's tiles, + 2 for AMX's (bfloat16 weights).

@@ -80,7 +80,7 @@ def test_int8_row_gets_the_same_bits_in_any_batch(kernel, d):
 
 @pytest.fixture
 def avx2_too(kernel):
-    """For tests that run the products' AVX2 paths beside their AVX-512 ones; yields a function
+    """For tests that run the kernels' AVX2 paths beside their AVX-512 ones; yields a function
     that switches between them (the CPU must have both)."""
     if not kernels.avx512(True):
         pytest.skip("this CPU lacks AVX-512 (F, BW, DQ, VL), so only the AVX2 paths run")
@@ -290,6 +290,23 @@ def test_attention_query_gets_the_same_bits_in_any_call(kernel):
         np.testing.assert_array_equal(np.asarray(alone)[0, 0], full[b, t])
     shorter = jax.jit(kernels.attention)(q, k[:, :41], v[:, :41], q_pos, valid[:, :41], q_pos + 1)[0]
     np.testing.assert_array_equal(np.asarray(shorter), full)
+
+
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES + [(2, 32, 3, 3, 64, 300), (3, 7, 2, 3, 24, 140)])
+def test_attention_avx2_and_avx512_give_the_same_bits(avx2_too, shape):
+    """AVX-512's score tiles (two keys a register, 8 queries x 4 keys, their lanes summed across
+    registers), value tiles (a head of 64 values at once) and softmax (16 keys at a time) add
+    every number as AVX2's do: the same bits, a host with AVX-512 or without. Head dims of 13, 9,
+    24 and 128 take the tails of 8-lane steps and several value tiles; 300 and 140 positions more
+    than one chunk of 128 keys; a gap below each query's own key and invalid keys the masks."""
+    q, k, v, q_pos, valid = attention_inputs(*shape, seed=3)
+    prefix = jnp.maximum(q_pos + 1 - jnp.asarray(np.random.default_rng(4).integers(0, 4, q_pos.shape), jnp.int32), 1)
+    call = jax.jit(kernels.attention)
+    wide = jax.tree.map(np.asarray, call(q, k, v, q_pos, valid, prefix))
+    avx2_too(False)
+    narrow = jax.tree.map(np.asarray, call(q, k, v, q_pos, valid, prefix))
+    for a, b in zip(wide, narrow):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_attention_gradient_is_the_jax_one(kernel):

@@ -97,8 +97,9 @@ def spin(micros: int) -> int:
 
 
 def avx512(use: bool) -> bool:
-    """Let the CPU's products take their AVX-512 paths where the CPU has them (the default), or
-    not; returns whether they did. For tests that run the AVX2 paths on a CPU with both."""
+    """Let the CPU's kernels (products and attention) take their AVX-512 paths where the CPU has
+    them (the default), or not; returns whether they did. For tests that run the AVX2 paths on a
+    CPU with both."""
     if _lib is None:
         raise RuntimeError(f"the CPU kernels are unavailable: {unavailable}")
     return bool(_lib.jspec_use_avx512(ctypes.c_int(use)))

@@ -16,7 +16,8 @@
 // H then the same sum of the lanes, a chunk's softmax runs over its visible keys in position
 // order, the weighted sum of values adds them in position order, and the chunks combine in
 // order. So a query gets the same bits alone, among the K + 1 of a verification, in a batch, or
-// over a longer cache: attention is batch invariant by construction.
+// over a longer cache: attention is batch invariant by construction. The AVX-512 path (namespace
+// avx512) computes the same bits with wider registers.
 
 #include <cmath>
 #include <limits>
@@ -137,6 +138,170 @@ constexpr ValueFn kValueTiles[4][2] = {
     {ValueTile<4, 1>, ValueTile<4, 2>},
 };
 
+// The same work on a CPU with AVX-512, with AVX2's bits. A score tile holds two keys in a 16-lane
+// register, 8 values of a head of key j in its low half and the same 8 of key j + 1 in its high
+// half, the query broadcast to both halves: each half runs exactly the FMAs of one 8-lane
+// accumulator of ScoreTile, and Sum8x16 adds 16 halves' lanes as Sum8x8 adds 8 registers', with
+// shuffles across registers in place of horizontal adds (as matmul.cc's AVX-512 float32 tiles
+// pair weight rows). A value tile's lanes are independent sums in position order, 16 at a time
+// instead of 8, a whole head of up to 64 values at once, so each weight p is broadcast once, not
+// once a 16 values; the softmax compares its masks and takes e^x 16 lanes at a time, its sum
+// added 8 lanes at a time in position order. Together 1.2-1.4x AVX2's speed on this CPU
+// (docs/design.md, "Attention on a CPU").
+namespace avx512 {
+
+AVX512 inline __m512 KeyPair(__m256 a, __m256 b) { return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1); }
+
+// The 8-lane sums of the 16 halves of 8 registers x, each by Sum8x8's additions ((l0 + l1) + (l2 +
+// l3)) + ((l4 + l5) + (l6 + l7)), done across registers: [x0 lo, x1 lo, x2 lo, x3 lo, x0 hi, ..,
+// x3 hi, x4 lo, .., x7 lo, x4 hi, .., x7 hi].
+AVX512 inline __m512 Sum8x16(const __m512* x) {
+  __m512 s[4], t[2];
+  for (int i = 0; i < 4; ++i)
+    s[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)
+    t[i] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// scores[i, j] = q_i . k_j for NQ <= 8 queries and nk <= 4 keys (two pairs; a missing key reads
+// the last one again and its score is dropped).
+template <int NQ>
+AVX512 void ScoreTile(const float* q, const float* k, int64_t key_stride, int64_t h, int64_t nk, __m256i tail,
+                      float* scores, int64_t score_stride) {
+  constexpr int kGroups = (NQ + 3) / 4;  // of 4 queries: 8 registers, 16 scores
+  __m512 acc[4 * kGroups][2];
+  for (int i = 0; i < 4 * kGroups; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  const float* key[4];
+  for (int j = 0; j < 4; ++j) key[j] = k + std::min<int64_t>(j, nk - 1) * key_stride;
+  int64_t c = 0;
+  for (; c + 8 <= h; c += 8) {
+    const __m512 k01 = KeyPair(_mm256_loadu_ps(key[0] + c), _mm256_loadu_ps(key[1] + c));
+    const __m512 k23 = KeyPair(_mm256_loadu_ps(key[2] + c), _mm256_loadu_ps(key[3] + c));
+    for (int i = 0; i < NQ; ++i) {
+      const __m512 qv = _mm512_broadcast_f32x8(_mm256_loadu_ps(q + i * h + c));
+      acc[i][0] = _mm512_fmadd_ps(qv, k01, acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(qv, k23, acc[i][1]);
+    }
+  }
+  if (c < h) {  // masked loads read zeros past the end of a head
+    const __m512 k01 = KeyPair(_mm256_maskload_ps(key[0] + c, tail), _mm256_maskload_ps(key[1] + c, tail));
+    const __m512 k23 = KeyPair(_mm256_maskload_ps(key[2] + c, tail), _mm256_maskload_ps(key[3] + c, tail));
+    for (int i = 0; i < NQ; ++i) {
+      const __m512 qv = _mm512_broadcast_f32x8(_mm256_maskload_ps(q + i * h + c, tail));
+      acc[i][0] = _mm512_fmadd_ps(qv, k01, acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(qv, k23, acc[i][1]);
+    }
+  }
+  // Sum8x16's lanes [q0 k0, q0 k2, q1 k0, q1 k2, q0 k1, q0 k3, q1 k1, q1 k3, then q2 and q3 alike]
+  // to rows of 4 keys.
+  const __m512i rows = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+  const __mmask16 keys = static_cast<__mmask16>((1u << nk) - 1);
+  for (int g = 0; g < kGroups; ++g) {
+    const __m512 x[8] = {acc[4 * g][0],     acc[4 * g][1],     acc[4 * g + 1][0], acc[4 * g + 1][1],
+                         acc[4 * g + 2][0], acc[4 * g + 2][1], acc[4 * g + 3][0], acc[4 * g + 3][1]};
+    alignas(64) float sums[16];
+    _mm512_store_ps(sums, _mm512_permutexvar_ps(rows, Sum8x16(x)));
+    for (int i = 4 * g; i < std::min(NQ, 4 * g + 4); ++i)
+      _mm_mask_storeu_ps(scores + i * score_stride, keys, _mm_load_ps(sums + 4 * (i - 4 * g)));
+  }
+}
+
+using WideScoreFn = void (*)(const float*, const float*, int64_t, int64_t, int64_t, __m256i, float*, int64_t);
+constexpr int kScoreQueries = 8, kScoreKeys = 4;  // a score tile's most queries and keys
+constexpr WideScoreFn kScoreTiles[kScoreQueries] = {ScoreTile<1>, ScoreTile<2>, ScoreTile<3>, ScoreTile<4>,
+                                                    ScoreTile<5>, ScoreTile<6>, ScoreTile<7>, ScoreTile<8>};
+
+// acc[r, e] = sum_j p[r, j] v_j[e] for NQ query rows of p and `lanes` <= 16 * NC values of each v_j.
+template <int NQ, int NC>
+AVX512 void ValueTile(const float* p, int64_t p_stride, const float* v, int64_t v_stride, int64_t lanes,
+                      float* acc) {
+  __mmask16 m[NC];
+  for (int c = 0; c < NC; ++c) m[c] = static_cast<__mmask16>((1u << std::clamp<int64_t>(lanes - 16 * c, 0, 16)) - 1);
+  __m512 a[NQ][NC];
+  for (int r = 0; r < NQ; ++r)
+    for (int c = 0; c < NC; ++c) a[r][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < p_stride; ++j) {
+    __m512 vv[NC];
+    for (int c = 0; c < NC; ++c) vv[c] = _mm512_maskz_loadu_ps(m[c], v + j * v_stride + 16 * c);
+    for (int r = 0; r < NQ; ++r) {
+      const __m512 pr = _mm512_set1_ps(p[r * p_stride + j]);
+      for (int c = 0; c < NC; ++c) a[r][c] = _mm512_fmadd_ps(pr, vv[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < NQ; ++r)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + r * 64 + 16 * c, a[r][c]);
+}
+
+// Exp's arithmetic, lane for lane, 16 lanes at a time.
+AVX512 inline __m512 Exp(__m512 x) {
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~tiny), y, _mm512_castsi512_ps(scale));
+}
+
+// ChunkSoftmax (below) 16 keys at a time, its masks compared in registers: the same bits, the
+// lanes of its sum added 8 at a time in position order as there.
+AVX512 float ChunkSoftmax(float* row, int64_t count, int64_t c0, int64_t from, int64_t last, const bool* valid,
+                          float scale, float& sum) {
+  const __m512 low = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 top16 = low;
+  for (int64_t j = 0; j < count; j += 16) {
+    const __mmask16 in = static_cast<__mmask16>((1u << std::min<int64_t>(16, count - j)) - 1);
+    const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(c0 + j)));
+    const __m128i ok = _mm_maskz_loadu_epi8(in, valid + c0 + j);
+    const __mmask16 seen = (_mm512_cmplt_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(from))) |
+                            _mm512_cmpeq_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(last)))) &
+                           _mm_test_epi8_mask(ok, ok) & in;
+    const __m512 x = _mm512_mask_mul_ps(low, seen, _mm512_maskz_loadu_ps(in, row + j), _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(row + j, in, x);
+    top16 = _mm512_max_ps(top16, x);
+  }
+  const float top = _mm512_reduce_max_ps(top16);
+  if (top == -std::numeric_limits<float>::infinity()) {
+    std::fill_n(row, count, 0.0f);
+    sum = 0.0f;
+    return top;
+  }
+  const __m512 top_all = _mm512_set1_ps(top);
+  __m256 sum8 = _mm256_setzero_ps();
+  for (int64_t j = 0; j < count; j += 16) {
+    const __mmask16 in = static_cast<__mmask16>((1u << std::min<int64_t>(16, count - j)) - 1);
+    const __m512 x = _mm512_mask_loadu_ps(low, in, row + j);
+    const __m512 p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, low, _CMP_NEQ_UQ), Exp(_mm512_sub_ps(x, top_all)));
+    _mm512_mask_storeu_ps(row + j, in, p);
+    sum8 = _mm256_add_ps(sum8, _mm512_castps512_ps256(p));
+    if (count - j > 8) sum8 = _mm256_add_ps(sum8, _mm512_extractf32x8_ps(p, 1));
+  }
+  sum = Sum8(sum8);
+  return top;
+}
+
+constexpr ValueFn kValueTiles[4][4] = {
+    {ValueTile<1, 1>, ValueTile<1, 2>, ValueTile<1, 3>, ValueTile<1, 4>},
+    {ValueTile<2, 1>, ValueTile<2, 2>, ValueTile<2, 3>, ValueTile<2, 4>},
+    {ValueTile<3, 1>, ValueTile<3, 2>, ValueTile<3, 3>, ValueTile<3, 4>},
+    {ValueTile<4, 1>, ValueTile<4, 2>, ValueTile<4, 3>, ValueTile<4, 4>},
+};
+
+}  // namespace avx512
+
 struct Shapes {
   int64_t b, t, kv, g, s, h;
 };
@@ -190,7 +355,8 @@ AVX2 void Chunk(const Shapes& n, const float* q, const float* k, const float* v,
   alignas(32) int32_t lanes[8];
   for (int i = 0; i < 8; ++i) lanes[i] = i < h % 8 ? -1 : 0;
   const __m256i tail = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
-  alignas(32) float acc[4 * 16];
+  alignas(64) float acc[4 * 64];
+  const bool wide = jspec::HasAvx512();
   // The chunk's keys and values are contiguous in the cache ([count, K, H] of row b): one
   // sequential copy of each streams them from memory at full speed, where the per-head passes
   // below, 1 of every K heads' bytes at a time, left the prefetchers behind.
@@ -214,26 +380,40 @@ AVX2 void Chunk(const Shapes& n, const float* q, const float* k, const float* v,
       std::copy_n(q + ((b * n.t + t) * n.kv + kh) * g * h, g * h, qs.data() + (t - t0) * g * h);
     scores.resize(nq * count);
     const float* kb = kbuf.data() + kh * h;
-    for (int64_t j = 0; j < count; j += 3) {
-      const int64_t nk = std::min<int64_t>(3, count - j);
-      for (int64_t i = 0; i < nq; i += 4) {
-        const int64_t ni = std::min<int64_t>(4, nq - i);
-        kScoreTiles[ni - 1][nk - 1](qs.data() + i * h, kb + j * key_stride, key_stride, h, tail,
-                                    scores.data() + i * count + j, count);
+    if (wide) {
+      for (int64_t j = 0; j < count; j += avx512::kScoreKeys) {
+        const int64_t nk = std::min<int64_t>(avx512::kScoreKeys, count - j);
+        for (int64_t i = 0; i < nq; i += avx512::kScoreQueries) {
+          const int64_t ni = std::min<int64_t>(avx512::kScoreQueries, nq - i);
+          avx512::kScoreTiles[ni - 1](qs.data() + i * h, kb + j * key_stride, key_stride, h, nk, tail,
+                                      scores.data() + i * count + j, count);
+        }
+      }
+    } else {
+      for (int64_t j = 0; j < count; j += 3) {
+        const int64_t nk = std::min<int64_t>(3, count - j);
+        for (int64_t i = 0; i < nq; i += 4) {
+          const int64_t ni = std::min<int64_t>(4, nq - i);
+          kScoreTiles[ni - 1][nk - 1](qs.data() + i * h, kb + j * key_stride, key_stride, h, tail,
+                                      scores.data() + i * count + j, count);
+        }
       }
     }
     for (int64_t i = 0; i < nq; ++i) {
       float* o = out(i);
       const int64_t query = b * n.t + t0 + i / g;
-      o[0] = ChunkSoftmax(scores.data() + i * count, count, c0, from[query], pos[query], valid + b * n.s, scale, o[1]);
+      o[0] = (wide ? avx512::ChunkSoftmax : ChunkSoftmax)(scores.data() + i * count, count, c0, from[query], pos[query],
+                                                          valid + b * n.s, scale, o[1]);
     }
     const float* vb = vbuf.data() + kh * h;
+    const int64_t tile_values = wide ? 64 : 16, acc_stride = wide ? 64 : 16;
     for (int64_t i = 0; i < nq; i += 4) {
       const int64_t ni = std::min<int64_t>(4, nq - i);
-      for (int64_t c = 0; c < h; c += 16) {
-        const int64_t width = std::min<int64_t>(16, h - c);
-        kValueTiles[ni - 1][width > 8 ? 1 : 0](scores.data() + i * count, count, vb + c, key_stride, width, acc);
-        for (int64_t r = 0; r < ni; ++r) std::copy_n(acc + r * 16, width, out(i + r) + 2 + c);
+      for (int64_t c = 0; c < h; c += tile_values) {
+        const int64_t width = std::min<int64_t>(tile_values, h - c);
+        (wide ? avx512::kValueTiles[ni - 1][(width - 1) / 16] : kValueTiles[ni - 1][width > 8 ? 1 : 0])(
+            scores.data() + i * count, count, vb + c, key_stride, width, acc);
+        for (int64_t r = 0; r < ni; ++r) std::copy_n(acc + r * acc_stride, width, out(i + r) + 2 + c);
       }
     }
   }

@@ -1,8 +1,10 @@
-// What jspec's native kernels (matmul.cc, attention.cc) share: the AVX2 + FMA target, the
-// horizontal sum of 8 lanes, and the way one call spreads its work over the CPU's cores.
+// What jspec's native kernels (matmul.cc, attention.cc) share: the AVX2 + FMA and AVX-512
+// targets and whether to take the latter, the horizontal sum of 8 lanes, and the way one call
+// spreads its work over the CPU's cores.
 //
-// Only functions marked AVX2 are compiled for AVX2 + FMA (target attributes), so the library
-// loads on any x86-64 CPU and jspec_cpu_supported() tells Python whether it may be used.
+// Only functions marked AVX2 or AVX512 are compiled for those instructions (target attributes),
+// so the library loads on any x86-64 CPU and jspec_cpu_supported() tells Python whether it may be
+// used.
 
 #pragma once
 
@@ -21,8 +23,25 @@
 #include "xla/ffi/api/ffi.h"
 
 #define AVX2 __attribute__((target("avx2,fma")))
+#define AVX512 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl")))
 
 namespace jspec {
+
+inline bool CpuHasAvx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+}
+
+// Whether the kernels take their AVX-512 paths: the CPU's answer, unless a test turned them off
+// (jspec_use_avx512 in matmul.cc) to run the AVX2 paths on a CPU that has both. Both paths give
+// the same bits, except int8 products (16-lane sums where AVX2 has 8).
+inline std::atomic<bool>& UseAvx512() {
+  static std::atomic<bool> use{CpuHasAvx512()};
+  return use;
+}
+
+inline bool HasAvx512() { return UseAvx512().load(std::memory_order_relaxed); }
 
 AVX2 inline float Sum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

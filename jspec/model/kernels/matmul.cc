@@ -32,8 +32,11 @@
 
 namespace ffi = xla::ffi;
 using Matrix = ffi::Buffer<ffi::F32, 2>;
+using jspec::CpuHasAvx512;
+using jspec::HasAvx512;
 using jspec::ParallelFor;
 using jspec::Sum8;
+using jspec::UseAvx512;
 
 namespace {
 
@@ -141,7 +144,6 @@ AVX2 void Columns(const float* x, const W* w, const float* scale, float* out, in
 
 // The tiles of a CPU with AVX-512 (32 registers of 16 lanes): up to 8 rows a tile.
 namespace avx512 {
-#define AVX512 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl")))
 constexpr int64_t kTileRows = 8;
 constexpr int64_t kTilePairs = 3;
 
@@ -294,7 +296,6 @@ AVX512 void Columns(const float* x, const int8_t* w, const float* scale, float* 
     Int8Tiles<>::at[rb - 1][nb - 1](x + r * d, w + n * d, scale + n, d, tail, out + r * n_total + n, n_total);
   });
 }
-#undef AVX512
 }  // namespace avx512
 
 // A bfloat16 or int8 weight on a CPU with AMX (Intel since Sapphire Rapids): its tile unit
@@ -535,20 +536,6 @@ AMX void Columns(const uint32_t* packed, const W* w, float* out, int64_t rows, i
 #undef AMX
 }  // namespace amx
 
-bool CpuHasAvx512() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-}
-
-// Whether the products take their AVX-512 paths: the CPU's answer, unless a test turned them off
-// (jspec_use_avx512) to run the AVX2 paths on a CPU that has both.
-std::atomic<bool>& UseAvx512() {
-  static std::atomic<bool> use{CpuHasAvx512()};
-  return use;
-}
-
-bool HasAvx512() { return UseAvx512().load(std::memory_order_relaxed); }
 
 // Whether the CPU has AMX's tiles with bfloat16 and int8 products, and the kernel lets this process use
 // them (Linux asks a process to request the tiles' 8 KB of state first).
@@ -654,7 +641,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecMatmulInt8, MatmulInt8, Int8Binding());
 // from now on; returns how long they spun until now.
 extern "C" long jspec_set_spin_us(long us) { return jspec::Helpers::SpinMicros().exchange(us); }
 
-// Lets the products use AVX-512 where the CPU has it (use != 0) or not; returns whether they did.
+// Lets the kernels (products and attention) use AVX-512 where the CPU has it (use != 0) or not; returns
+// whether they did.
 extern "C" int jspec_use_avx512(int use) { return UseAvx512().exchange(use != 0 && CpuHasAvx512()); }
 
 // Lets bfloat16 and int8 products use AMX where the CPU has it (use != 0) or not; returns whether they did.

@@ -140,7 +140,7 @@ def test_amx_int8_product_equals_the_exact_one(amx_too, rows, n, d):
     |x / s| <= 127, digits at powers of 128): within s / 2^15 of x, which is 4 float32 epsilons of
     the row's largest |x|; the bound is twice that times the sum of the weight row's |w|, so it
     holds the float32 rounding of the sum too. A row of zeros gives zeros; a row with one value
-    40 times the others still meets the bound. N of 7, 97 and 130 leave a last tile of weight rows
+    40 times the others still meets the bound; a NaN makes its row's outputs NaN. N of 7, 97 and 130 leave a last tile of weight rows
     part empty; 6, 11, 16, 33, 65 and 130 rows a last tile of x part empty."""
     x = np.asarray(random((rows, d), 0)) * 10
     x[-1, 3] = 40 * np.abs(x[-1]).max()
@@ -153,6 +153,8 @@ def test_amx_int8_product_equals_the_exact_one(amx_too, rows, n, d):
     bound = 8 * np.finfo(np.float32).eps * np.abs(x).max(1, keepdims=True) * np.abs(wide).sum(1)
     assert np.all(np.abs(amx - exact) <= bound)
     assert not amx[: rows // 2].any()
+    wild = np.asarray(product(jnp.asarray(x).at[-1, -1].set(np.nan), w))  # NaN out, the other rows as they were
+    assert np.isnan(wild[-1]).all() and np.array_equal(wild[:-1], amx[:-1])
     amx_too(False)
     assert not np.array_equal(amx, np.asarray(product(jnp.asarray(x), w))) or rows * n < 8, "AMX's path not taken"
 

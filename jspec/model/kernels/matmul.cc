@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <limits>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -371,10 +372,17 @@ AMX void Pack(const float* x, int64_t rows, int64_t d, uint32_t* packed) {
 }
 
 // The power of two s with max |v| <= 127 s over a row of d values (1 for a row of zeros; at least
-// 2^-100, whose inverse is a float).
+// 2^-100, whose inverse is a float), or NaN where the row holds an infinity or a NaN: its outputs
+// are then NaN, as the AVX paths' would be non-finite (the digits cannot carry them).
 AMX float RowScale(const float* v, int64_t d) {
   __m512 big = _mm512_setzero_ps();
-  for (int64_t k = 0; k < d; k += 16) big = _mm512_max_ps(big, _mm512_abs_ps(_mm512_loadu_ps(v + k)));
+  __mmask16 wild = 0;
+  for (int64_t k = 0; k < d; k += 16) {
+    const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(v + k));
+    wild |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(std::numeric_limits<float>::max()), _CMP_NLE_UQ);
+    big = _mm512_max_ps(big, a);
+  }
+  if (wild) return std::numeric_limits<float>::quiet_NaN();
   const float m = _mm512_reduce_max_ps(big);
   if (m == 0.0f) return 1.0f;
   int e;

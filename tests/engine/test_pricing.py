@@ -27,16 +27,30 @@ def spec(tmp_path_factory):
 
 
 def test_draft_length_maximises_expected_tokens_per_second():
-    accepted, drafted, live = jnp.asarray([9, 0]), jnp.asarray([10, 10]), jnp.asarray([True, True])
-    # rates 10/12 and 1/12: expected tokens 1, 1.92, 2.69, ... over costs that grow by 0.2 a token
+    accepted, drafted, live = jnp.asarray([7, 0]), jnp.asarray([10, 10]), jnp.asarray([True, True])
+    # rates 8/11 and 1/11: expected tokens 1, 1.73, 2.26, ... over costs that grow by 0.2 a token
     costs = jnp.asarray([1.0, 1.2, 1.4, 1.6, 1.8])
-    expected = [(1 - a ** (k + 1)) / (1 - a) for a in (10 / 12, 1 / 12) for k in range(5)]
+    expected = [(1 - a ** (k + 1)) / (1 - a) for a in (8 / 11, 1 / 11) for k in range(5)]
     want = int(np.argmax([(expected[k] + expected[5 + k]) / float(costs[k]) for k in range(5)]))
     assert int(pricing.draft_length(costs, accepted, drafted, live)) == want and 0 < want < K  # neither end
     assert int(pricing.draft_length(jnp.asarray(PRICED_OUT), accepted, drafted, live)) == 0
     assert int(pricing.draft_length(jnp.asarray(FREE), accepted * 0, drafted * 0, live)) == K
     # a done row counts for nothing: the live one alone, accepting nearly nothing, prices drafting out
     assert int(pricing.draft_length(costs, accepted, drafted, jnp.asarray([False, True]))) == 0
+
+
+@pytest.mark.parametrize("remaining", [None, [20, 20]])
+def test_rows_that_never_drafted_try_drafts_first(remaining):
+    """A row is credited one accepted draft before its first: where one draft costs 1.6 plain
+    rounds (more than a rate of 0.5 would pay for) rows that never drafted draft, so their
+    acceptance is seen, and stop once it says drafting does not pay."""
+    costs, live = jnp.asarray([1.0, 1.6, 2.2, 2.8, 3.4]), jnp.asarray([True, True])
+    remaining = None if remaining is None else jnp.asarray(remaining)
+    assert int(pricing.draft_length(costs, jnp.asarray([0, 0]), jnp.asarray([0, 0]), live, remaining)) == K
+    assert int(pricing.draft_length(costs, jnp.asarray([4, 4]), jnp.asarray([20, 20]), live, remaining)) == 0
+    # a rate of 1 ties with costs of k + 1: the plain round
+    assert int(pricing.draft_length(jnp.asarray(PRICED_OUT), jnp.asarray([0, 0]), jnp.asarray([0, 0]), live,
+                                    remaining)) == 0
 
 
 def test_static_batches_draft_for_the_row_furthest_from_its_end():

@@ -35,34 +35,56 @@ from jspec.model.config import ModelConfig
 from jspec.model.numerics import Numerics, tracing
 
 
-# Positions a chunk of a prefill holds: on a CPU what the native attention kernel takes (it reads
-# only the filled part of the cache), on an accelerator enough rows to keep its matrix units busy.
-PREFILL_CHUNK = {"cpu": 32}
+# Positions a chunk of a prefill holds. On a CPU a chunk's products are bound by arithmetic and
+# run faster the more rows they hold, up to about 256 (0.80 ms a position at 32, 0.60 at 128,
+# 0.56 at 256: docs/design.md, "Chunked prefill"), so a prefill of few rows goes in chunks of
+# CHUNK_ROWS / rows positions (at most MAX_CHUNK) while a whole one fits before the longest
+# prompt ends, then in chunks of CHUNK (what pads a prompt least). On an accelerator chunks of
+# ACCELERATOR_CHUNK keep its matrix units busy.
+CHUNK = 32
+CHUNK_ROWS = 256
+MAX_CHUNK = 128
 ACCELERATOR_CHUNK = 256
 
 
-def prefill_chunk(platform: str, length: int) -> int:
-    """The chunk of a prefill into a cache of `length` positions: the platform's, or the largest
-    power of two below it that divides `length` (chunks tile the cache)."""
-    return math.gcd(PREFILL_CHUNK.get(platform, ACCELERATOR_CHUNK), length)
+def prefill_chunks(platform: str, length: int, rows: int) -> tuple[int, ...]:
+    """The chunks of a prefill of `rows` prompts into a cache of `length` positions, longest first
+    (jspec.engine.loop.prefill): powers of two, the last one dividing `length`."""
+    if platform != "cpu":
+        return (math.gcd(ACCELERATOR_CHUNK, length),)
+    small = math.gcd(CHUNK, length)
+    big = min(MAX_CHUNK, power_below(max(CHUNK_ROWS // rows, 1)), power_below(length))
+    return (big, small) if big > small else (small,)
 
 
-def prefill(drafter, params, dparams, cfg: ModelConfig, tokens, lens, cache: decoder.KVCache, chunk: int):
-    """Prompts tokens [B, S] (row b's the first lens[b]) through `drafter`'s prefill, `chunk`
-    positions at a time (a divisor of S), in a loop as long as the longest prompt needs: the target's
-    last-layer state at each prompt's last token [B, D], the cache and the drafter's state."""
-    b = tokens.shape[0]
+def power_below(n: int) -> int:
+    """The largest power of two at most n (n >= 1)."""
+    return 1 << (n.bit_length() - 1)
 
-    def step(carry):
-        i, cache, dstate, h_last = carry
-        positions = jnp.broadcast_to(i * chunk + jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
-        h, cache, dstate = drafter.prefill(params, dparams, cfg, jax.lax.dynamic_slice_in_dim(tokens, i * chunk, chunk, 1),
+
+def prefill(drafter, params, dparams, cfg: ModelConfig, tokens, lens, cache: decoder.KVCache,
+            chunks: tuple[int, ...]):
+    """Prompts tokens [B, S] (row b's the first lens[b]) through `drafter`'s prefill, in chunks of
+    positions, each of `chunks` (longest first, each a multiple of the next, the last dividing S)
+    in a loop of its own: every size but the last while a whole chunk fits before the longest
+    prompt ends, the last as long as the longest prompt needs. Returns the target's last-layer
+    state at each prompt's last token [B, D], the cache and the drafter's state."""
+    b, longest = tokens.shape[0], jnp.max(lens)
+
+    def step(chunk, carry):
+        start, cache, dstate, h_last = carry
+        positions = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
+        h, cache, dstate = drafter.prefill(params, dparams, cfg, jax.lax.dynamic_slice_in_dim(tokens, start, chunk, 1),
                                            positions, lens, cache, dstate)
-        return i + 1, cache, dstate, decoder.prompt_last(h, positions, lens, h_last)
+        return start + chunk, cache, dstate, decoder.prompt_last(h, positions, lens, h_last)
 
     h_last = jnp.zeros((b, cfg.hidden_size), numerics.activation_dtype())
     carry = (jnp.zeros((), jnp.int32), cache, drafter.begin(params, dparams, cfg, b, cache), h_last)
-    _, cache, dstate, h_last = jax.lax.while_loop(lambda carry: carry[0] * chunk < jnp.max(lens), step, carry)
+    for i, chunk in enumerate(chunks):
+        last = i == len(chunks) - 1
+        fits = (lambda c: c[0] < longest) if last else (lambda c, chunk=chunk: c[0] + chunk <= longest)
+        carry = jax.lax.while_loop(fits, functools.partial(step, chunk), carry)
+    _, cache, dstate, h_last = carry
     return h_last, cache, dstate
 
 
@@ -135,7 +157,7 @@ class Run:
         (b, length), k = tokens.shape, drafter.max_draft
         seq = jnp.where(jnp.arange(length)[None, :] < lens[:, None], tokens, 0)
         h, cache, dstate = prefill(drafter, params, dparams, cfg, seq, lens, cache,
-                                   prefill_chunk(self.platform, length))
+                                   prefill_chunks(self.platform, length, b))
         key, sub = jax.random.split(key)
         first_logits = decoder.logits(params, cfg, h)
         first = next_token(first_logits, self.sampling, sub)

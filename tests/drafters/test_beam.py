@@ -226,7 +226,7 @@ def test_beams_never_read_each_others_entries(small, head_path, eagle_path, kind
     path = head_path if kind == "eesd" else eagle_path
     drafter, dparams, _ = methods.build("mjsd", model, head=path, beam_width=w, max_draft=k)
     tokens, lens = map(jnp.asarray, batching.prompt_rows([PROMPTS[0]["token_ids"]], 32))
-    prefill = jax.jit(lambda p, d, c: loop.prefill(drafter, p, d, cfg, tokens, lens, c, 8))
+    prefill = jax.jit(lambda p, d, c: loop.prefill(drafter, p, d, cfg, tokens, lens, c, (8,)))
     _, cache, dstate = prefill(model.params, dparams, KVCache.zeros(cfg, 1, 32))
     stack = drafter.inner.beam_stack(model.params, dparams.inner, cfg, cache, dstate.inner)
     keys = iter(jax.random.split(jax.random.key(1), 64))
@@ -298,7 +298,7 @@ def test_one_beam_drafts_and_caches_like_the_token_by_token_drafter(small, head_
     def draft(params, dparams, cache, use_beam):
         drafter = beam if use_beam else beam.inner
         dparams = dparams if use_beam else dparams.inner
-        _, cache, dstate = loop.prefill(drafter, params, dparams, cfg, tokens, lens, cache, 8)
+        _, cache, dstate = loop.prefill(drafter, params, dparams, cfg, tokens, lens, cache, (8,))
         s = types.SimpleNamespace(cache=cache, dstate=dstate, last=jnp.array([7, 1]), length=lens,
                                   done=jnp.zeros(2, bool), cstate=ctrl.init(2, k), budget=jnp.asarray(k))
         return drafter.draft(params, dparams, cfg, s, ctrl, Sampling(), jax.random.key(0))

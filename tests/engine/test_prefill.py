@@ -28,27 +28,46 @@ def spec(tmp_path_factory):
 # The drafters that keep something of the prompt beside the target's cache: a draft model's
 # cache, an early exit head's cache, EAGLE's head cache and the state before the next token.
 @pytest.mark.parametrize("drafter", ["draft", "eesd", "kangaroo", "eagle"])
-def test_chunks_of_8_and_of_32_leave_the_same_state(spec, drafter):
-    """The prompts in chunks of 8 positions or of 32 leave the same last state, cache and drafter
-    state (every array that runs along the cache: at each row's prompt positions)."""
+def test_chunk_sizes_leave_the_same_state(spec, drafter):
+    """The prompts in chunks of 8 positions, of 32, or of 32 then 8 (loop.prefill_chunks' two
+    sizes) leave the same last state, cache and drafter state (every array that runs along the
+    cache: at each row's prompt positions)."""
     cfg, params = spec.target.cfg, spec.target.params
     prompts = [p["token_ids"] for p in repetitive_prompts(LENGTHS, cfg.vocab_size, seed=5)]
     method, opts = method_options(spec, drafter, {"max_draft": K})
     plan, dparams, _ = methods.build(method, spec.target, **opts)
     tokens, lens = map(jnp.asarray, prompt_rows(prompts, LENGTH))
-    prefill = jax.jit(lambda params, dparams, chunk: loop.prefill(
-        plan, params, dparams, cfg, tokens, lens, decoder.KVCache.zeros(cfg, len(prompts), LENGTH), chunk),
+    prefill = jax.jit(lambda params, dparams, chunks: loop.prefill(
+        plan, params, dparams, cfg, tokens, lens, decoder.KVCache.zeros(cfg, len(prompts), LENGTH), chunks),
         static_argnums=2)
-    by8, by32 = prefill(params, dparams, 8), prefill(params, dparams, 32)
-    leaves8, leaves32 = jax.tree.leaves(by8), jax.tree.leaves(by32)
-    assert len(leaves8) == len(leaves32) > 3
-    for a, b in zip(leaves8, leaves32):
+    by8 = jax.tree.leaves(prefill(params, dparams, (8,)))
+    assert len(by8) > 3
+    for other in (32,), (32, 8):
+        assert_same_state(jax.tree.leaves(prefill(params, dparams, other)), by8, lens)
+
+
+def assert_same_state(got, want, lens):
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         if a.ndim >= 2 and a.shape[1] == LENGTH:  # padding past a prompt differs with the chunks
             for row, n in enumerate(lens.tolist()):
                 np.testing.assert_allclose(a[row, :n], b[row, :n], rtol=0, atol=2e-5)
         else:
             np.testing.assert_allclose(a, b, rtol=0, atol=2e-5)
+
+
+def test_prefill_chunks_fill_products_with_rows():
+    """On a CPU a prefill of few rows takes chunks of up to 128 positions before its chunks of 32
+    (none longer than the cache), and one of many rows chunks of 32 only (the last size always
+    divides the cache); an accelerator takes one size."""
+    assert loop.prefill_chunks("cpu", 1024, 1) == (128, 32)
+    assert loop.prefill_chunks("cpu", 1024, 4) == (64, 32)
+    assert loop.prefill_chunks("cpu", 1024, 8) == loop.prefill_chunks("cpu", 1024, 32) == (32,)
+    assert loop.prefill_chunks("cpu", 100, 1) == (64, 4)
+    assert loop.prefill_chunks("cpu", 48, 1) == (32, 16)
+    assert loop.prefill_chunks("cpu", 16, 1) == (16,)
+    assert loop.prefill_chunks("cuda", 1024, 1) == (256,)
 
 
 def test_knn_ssd_matches_the_whole_prompts_feature(spec):
@@ -66,7 +85,7 @@ def test_knn_ssd_matches_the_whole_prompts_feature(spec):
     @jax.jit
     def chunked(params, dparams, tokens, lens):
         cache = decoder.KVCache.zeros(cfg, len(prompts), LENGTH)
-        return loop.prefill(KnnSsd(), params, dparams, cfg, tokens, lens, cache, 8)[2]
+        return loop.prefill(KnnSsd(), params, dparams, cfg, tokens, lens, cache, (8,))[2]
 
     @jax.jit
     def whole(params, tokens, lens):

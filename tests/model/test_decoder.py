@@ -234,11 +234,12 @@ def test_prompt_rows_lay_each_prompt_from_position_zero():
         assert row[:len(prompt)].tolist() == prompt and not row[len(prompt):].any()
 
 
-@pytest.mark.parametrize("chunk", [8, 32])
-def test_chunked_prefill_equals_one_forward_over_each_prompt(make_tiny, chunk):
+@pytest.mark.parametrize("chunks", [(8,), (32,), (32, 8)])
+def test_chunked_prefill_equals_one_forward_over_each_prompt(make_tiny, chunks):
     """Prompts of uneven lengths (one a chunk long exactly, one shorter than a chunk, one ending a
-    chunk past the others), prefilled together a chunk at a time, give each prompt the state at
-    its last token and the cache entries one forward over it alone gives."""
+    chunk past the others), prefilled together a chunk at a time (with two sizes: chunks of 32
+    while one fits before the longest prompt ends, then of 8), give each prompt the state at its
+    last token and the cache entries one forward over it alone gives."""
     t = make_tiny("llama")
     cfg, params = t.cfg, t.params
     rng = np.random.default_rng(4)
@@ -247,7 +248,7 @@ def test_chunked_prefill_equals_one_forward_over_each_prompt(make_tiny, chunk):
 
     @jax.jit
     def chunked(params, tokens, lens, cache):
-        h, cache, _ = loop.prefill(Drafter(), params, (), cfg, tokens, lens, cache, chunk)
+        h, cache, _ = loop.prefill(Drafter(), params, (), cfg, tokens, lens, cache, chunks)
         return decoder.logits(params, cfg, h), cache
 
     last, cache = chunked(params, tokens, lens, decoder.KVCache.zeros(cfg, len(prompts), 128))

@@ -47,10 +47,12 @@ MAX_ROWS = 32
 # "Tiles of AMX").
 MAX_INT8_ROWS = 64
 AMX_INT8_DEPTH = 64  # AMX's tiles take an int8 weight whose D is a multiple of this (matmul.cc)
-# Query positions per row the attention kernel takes: decode steps, verifications and beams. A
-# prefill's blocks of 64 stay XLA's, whose matmuls were faster there (0.83-0.92x with the kernel
-# over one 896-token prompt: docs/journal/2026-11-24_attention-kernel.md).
-MAX_QUERIES = 32
+# Query positions per row the attention kernel takes: decode steps, verifications, beams and a
+# prefill's chunks (up to jspec.engine.loop.MAX_CHUNK), which XLA's attention would run over the
+# whole cache. Whole texts (training, scoring) attend in XLA's blocks of 64, whose matmuls were
+# faster there (0.83-0.92x with the kernel over one 896-token prompt:
+# docs/journal/2026-11-24_attention-kernel.md).
+MAX_QUERIES = 128
 
 
 WANTED = os.environ.get("JSPEC_NATIVE") != "0"  # JSPEC_NATIVE=0 turns every kernel off

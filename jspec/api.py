@@ -222,7 +222,7 @@ class Model:
                 break
             # The free slots' prompts in admits of like chunks, a power of two rows each (a program per size)
             coming = [queue.popleft() for _ in free[:len(queue)]]
-            for part in admit_groups([len(r.token_ids) for r in coming], loop.prefill_chunks(self.platform, length, 1)[-1]):
+            for part in admit_groups([len(r.token_ids) for r in coming], loop.prefill_chunk(self.platform, length)):
                 take, group = [free[i] for i in part], [coming[i] for i in part]
                 n = len(take)
                 tokens, lens = self.prompt_rows(group, n, length)

@@ -47,12 +47,18 @@ MAX_CHUNK = 128
 ACCELERATOR_CHUNK = 256
 
 
+def prefill_chunk(platform: str, length: int) -> int:
+    """The last (or only) chunk of a prefill into a cache of `length` positions: the platform's, or
+    the largest power of two below it that divides `length` (these chunks tile the cache)."""
+    return math.gcd(CHUNK if platform == "cpu" else ACCELERATOR_CHUNK, length)
+
+
 def prefill_chunks(platform: str, length: int, rows: int) -> tuple[int, ...]:
     """The chunks of a prefill of `rows` prompts into a cache of `length` positions, longest first
-    (jspec.engine.loop.prefill): powers of two, the last one dividing `length`."""
+    (jspec.engine.loop.prefill): powers of two, the last one prefill_chunk's."""
+    small = prefill_chunk(platform, length)
     if platform != "cpu":
-        return (math.gcd(ACCELERATOR_CHUNK, length),)
-    small = math.gcd(CHUNK, length)
+        return (small,)
     big = min(MAX_CHUNK, power_below(max(CHUNK_ROWS // rows, 1)), power_below(length))
     return (big, small) if big > small else (small,)
 
@@ -80,11 +86,10 @@ def prefill(drafter, params, dparams, cfg: ModelConfig, tokens, lens, cache: dec
 
     h_last = jnp.zeros((b, cfg.hidden_size), numerics.activation_dtype())
     carry = (jnp.zeros((), jnp.int32), cache, drafter.begin(params, dparams, cfg, b, cache), h_last)
-    for i, chunk in enumerate(chunks):
-        last = i == len(chunks) - 1
-        fits = (lambda c: c[0] < longest) if last else (lambda c, chunk=chunk: c[0] + chunk <= longest)
+    for chunk in chunks[:-1]:
+        fits = lambda c, chunk=chunk: c[0] + chunk <= longest  # noqa: E731
         carry = jax.lax.while_loop(fits, functools.partial(step, chunk), carry)
-    _, cache, dstate, h_last = carry
+    _, cache, dstate, h_last = jax.lax.while_loop(lambda c: c[0] < longest, functools.partial(step, chunks[-1]), carry)
     return h_last, cache, dstate
 
 

@@ -32,15 +32,22 @@ KEY_BLOCK = 512  # keys a step of filled_attention's loop reads at most (a divis
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid: jax.Array | None = None,
-              prefix: jax.Array | None = None, filled: bool = False) -> jax.Array:
+              prefix: jax.Array | None = None, filled: bool = False, rows: jax.Array | None = None) -> jax.Array:
     """q [B, T, K, G, H] over cache k, v [B, S, K, H]; query at position p sees keys 0..p, and of
     those only the `valid` [B, S] ones when given (SpecEE leaves skipped layers' entries out).
     With `prefix` [B, T] a query sees keys j < prefix and its own key q_pos only (block_attention).
+    With `rows` [B] the cache holds R rows and row b of the queries reads its row rows[b] (an
+    admit's prompts prefilled in place: decoder.KVCache.rows).
 
     The path is the platform's (this module's docstring); each gives a query the same result
     whatever else the call holds, up to float rounding. `filled` says every key given is filled
     (a whole text's span): a GPU or TPU then has no unfilled part to leave out, and takes XLA's
     einsums."""
+    if rows is not None:
+        if kernels.takes_attention(q, k, v):  # reads the rows in place (never differentiated: an admit)
+            valid = jnp.ones((q.shape[0], k.shape[1]), jnp.bool_) if valid is None else valid
+            return kernels.attention(q, k, v, q_pos, valid, q_pos + 1 if prefix is None else prefix, rows)[0]
+        k, v = k[rows], v[rows]
     return _on_platform(q, k, v, q_pos, valid, prefix, filled)[0]
 
 
@@ -103,18 +110,18 @@ def filled_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
 
 
 def block_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
-                    valid: jax.Array | None = None) -> jax.Array:
+                    valid: jax.Array | None = None, rows: jax.Array | None = None) -> jax.Array:
     """Attention for a block of T tokens that may hold alternatives rather than one sequence: q
     [B, T, K, G, H] at positions [B, T], written to the cache side by side from the block's first
     position on. Each token sees the cache before the block, the block's tokens at earlier
     positions, and itself: causal attention for a chain (positions p, p+1, ..); for a round's
     last token at p and candidates all at p + 1, each candidate sees the last token and not the
     others (jspec.engine.loop). A block's tokens at earlier positions come first in it, so each
-    token sees a prefix of the cache and its own entry."""
+    token sees a prefix of the cache and its own entry. `rows` as in attention()."""
     t = positions.shape[1]
     start = positions[:, :1]
     earlier = jnp.sum(positions[:, None, :] < positions[:, :, None], axis=-1)  # [B, T]
-    return attention(q, k_cache, v_cache, start + jnp.arange(t), valid, start + earlier)
+    return attention(q, k_cache, v_cache, start + jnp.arange(t), valid, start + earlier, rows=rows)
 
 
 def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid: jax.Array | None,

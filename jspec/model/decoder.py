@@ -58,6 +58,9 @@ SMALL_ROWS = 64  # from 2 to this many float32 rows on a CPU, linear multiplies 
 class KVCache:
     k: list[jax.Array]  # per layer [B, S, K, H]
     v: list[jax.Array]  # per layer [B, S, K, H]
+    # [n]: a forward of n rows reads and writes the cache's rows rows[0..n) (a continuous batch's
+    # admit prefills new prompts in place, into their slots: jspec.engine.slots); None: row b is b.
+    rows: jax.Array | None = None
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> "KVCache":
@@ -101,12 +104,16 @@ def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (x * cos + rotated * sin).astype(x.dtype)
 
 
-def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array):
+def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array,
+             rows: jax.Array | None = None):
     """One layer's cache k_cache, v_cache [B, S, K, H] <- k, v [B, T, K, H] at per-row offsets
-    start [B]. Never call it inside a conditional's branch: XLA would copy the cache
-    (docs/design.md, "No cache inside a conditional")."""
-    put = jax.vmap(lambda c, x, s: jax.lax.dynamic_update_slice(c, x.astype(c.dtype), (s, 0, 0)))
-    return put(k_cache, k, start), put(v_cache, v, start)
+    start [B] (into cache rows `rows` [B] when given: KVCache.rows). Never call it inside a
+    conditional's branch: XLA would copy the cache (docs/design.md, "No cache inside a conditional")."""
+    if rows is None:
+        put = jax.vmap(lambda c, x, s: jax.lax.dynamic_update_slice(c, x.astype(c.dtype), (s, 0, 0)))
+        return put(k_cache, k, start), put(v_cache, v, start)
+    at = (rows[:, None], start[:, None] + jnp.arange(k.shape[1]))
+    return k_cache.at[at].set(k.astype(k_cache.dtype)), v_cache.at[at].set(v.astype(v_cache.dtype))
 
 
 def move_entry(ks: list[jax.Array], vs: list[jax.Array], src: jax.Array, dst: jax.Array):
@@ -133,27 +140,30 @@ def qkv(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array, cos: jax.Ar
 
 
 def attend(lp: Mapping[str, jax.Array], h: jax.Array, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-           positions: jax.Array, valid: jax.Array | None = None, siblings: bool = False) -> jax.Array:
+           positions: jax.Array, valid: jax.Array | None = None, siblings: bool = False,
+           rows: jax.Array | None = None) -> jax.Array:
     """The attention block's output side, residual included: queries q at positions [B, T] over a
-    cache that already holds their own keys and values -> h [B, T, D]. `siblings` lets the block
-    hold alternatives (block_attention)."""
-    out = (block_attention if siblings else attention)(q, k_cache, v_cache, positions, valid)
+    cache that already holds their own keys and values (in its rows `rows`: KVCache.rows) -> h
+    [B, T, D]. `siblings` lets the block hold alternatives (block_attention)."""
+    out = (block_attention if siblings else attention)(q, k_cache, v_cache, positions, valid, rows=rows)
     return h + linear(out.reshape(*out.shape[:2], -1), lp["wo"])
 
 
 def attention_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array,
                     positions: jax.Array | None, cos: jax.Array, sin: jax.Array, k_cache: jax.Array,
-                    v_cache: jax.Array, valid: jax.Array | None = None, siblings: bool = False):
+                    v_cache: jax.Array, valid: jax.Array | None = None, siblings: bool = False,
+                    rows: jax.Array | None = None):
     """The attention half of a decoder block, residual included: h [B, T, D] -> h, k_cache, v_cache.
     Positions None: h is whole texts, from position 0 of each row (training, scoring).
-    `siblings`: the T tokens may be alternatives, at the same position (block_attention)."""
+    `siblings`: the T tokens may be alternatives, at the same position (block_attention).
+    `rows`: the cache rows h's rows are (KVCache.rows)."""
     q, k, v = qkv(cfg, lp, h, cos, sin)
     if positions is None:
         out = prefill_attention(q, k, v)
         k_cache, v_cache = write_kv(k_cache, v_cache, k, v, jnp.zeros(k_cache.shape[:1], jnp.int32))
         return h + linear(out.reshape(*out.shape[:2], -1), lp["wo"]), k_cache, v_cache
-    k_cache, v_cache = write_kv(k_cache, v_cache, k, v, positions[:, 0])
-    return attend(lp, h, q, k_cache, v_cache, positions, valid, siblings), k_cache, v_cache
+    k_cache, v_cache = write_kv(k_cache, v_cache, k, v, positions[:, 0], rows)
+    return attend(lp, h, q, k_cache, v_cache, positions, valid, siblings, rows), k_cache, v_cache
 
 
 def mlp_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array) -> jax.Array:
@@ -167,18 +177,19 @@ def mlp_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array) -> ja
 
 def decoder_layer(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array, positions: jax.Array | None,
                   cos: jax.Array, sin: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                  valid: jax.Array | None = None, width: "Width | None" = None, siblings: bool = False):
+                  valid: jax.Array | None = None, width: "Width | None" = None, siblings: bool = False,
+                  rows: jax.Array | None = None):
     """One pre-norm decoder block. h [B, T, D]; k_cache, v_cache [B, S, K, H] of this layer. With
     a `width`, only its leading positions are computed (their outputs padded back to T);
-    `siblings` as in attention_block."""
+    `siblings` and `rows` as in attention_block."""
     if width is None:
-        h, k_cache, v_cache = attention_block(cfg, lp, h, positions, cos, sin, k_cache, v_cache, valid, siblings)
+        h, k_cache, v_cache = attention_block(cfg, lp, h, positions, cos, sin, k_cache, v_cache, valid, siblings, rows)
         return mlp_block(cfg, lp, h), k_cache, v_cache
     q, k, v = width.run(functools.partial(qkv, cfg, lp), h, cos, sin)
     # The cache is written here, between the two branches, never inside one: a conditional
     # whose branch updates the cache makes XLA copy every layer's cache (docs/design.md).
-    k_cache, v_cache = write_kv(k_cache, v_cache, k, v, positions[:, 0])
-    h = width.run(lambda h, q, pos: mlp_block(cfg, lp, attend(lp, h, q, k_cache, v_cache, pos, valid, siblings)),
+    k_cache, v_cache = write_kv(k_cache, v_cache, k, v, positions[:, 0], rows)
+    h = width.run(lambda h, q, pos: mlp_block(cfg, lp, attend(lp, h, q, k_cache, v_cache, pos, valid, siblings, rows)),
                   h, q, positions)
     return h, k_cache, v_cache
 
@@ -231,8 +242,8 @@ def run_layers(params: Params, cfg: ModelConfig, h: jax.Array, positions: jax.Ar
     k, v = list(cache.k), list(cache.v)
     for i in range(cfg.num_layers) if layers is None else layers:
         h, k[i], v[i] = decoder_layer(cfg, params["layers"][i], h, positions, cos, sin, k[i], v[i], width=width,
-                                      siblings=siblings)
-    return h, KVCache(k, v)
+                                      siblings=siblings, rows=cache.rows)
+    return h, KVCache(k, v, cache.rows)
 
 
 def run_masked_layers(params: Params, cfg: ModelConfig, h: jax.Array, positions: jax.Array, cache: KVCache,
@@ -249,10 +260,11 @@ def run_masked_layers(params: Params, cfg: ModelConfig, h: jax.Array, positions:
         project = functools.partial(qkv, cfg, lp, cos=cos, sin=sin)
         q, new_k, new_v = jax.lax.cond(jnp.all(skip[:, 0, i]), functools.partial(zeros_of, project), project, h)
         # Written between the conditionals, as in decoder_layer, so that XLA copies no cache.
-        k[i], v[i] = write_kv(k[i], v[i], new_k, new_v, positions[:, 0])
-        h = _sublayer(skip[:, 0, i], lambda h, q, lp=lp, kc=k[i], vc=v[i]: attend(lp, h, q, kc, vc, positions), h, q)
+        k[i], v[i] = write_kv(k[i], v[i], new_k, new_v, positions[:, 0], cache.rows)
+        h = _sublayer(skip[:, 0, i], lambda h, q, lp=lp, kc=k[i], vc=v[i]: attend(lp, h, q, kc, vc, positions,
+                                                                                   rows=cache.rows), h, q)
         h = _sublayer(skip[:, 1, i], lambda h, lp=lp: mlp_block(cfg, lp, h), h)
-    return h, KVCache(k, v)
+    return h, KVCache(k, v, cache.rows)
 
 
 def zeros_of(fn, *xs):

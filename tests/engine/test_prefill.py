@@ -57,6 +57,37 @@ def assert_same_state(got, want, lens):
             np.testing.assert_allclose(a, b, rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_prefill_into_rows_of_a_cache_leaves_them_as_one_into_its_own(spec, dtype):
+    """What an admit does (jspec.engine.slots): prompts prefilled into rows 3 and 0 of a cache of 4
+    whose entries are another batch's leave those rows holding what a prefill into a fresh cache of
+    2 rows holds (the same bits), the other rows as they were, and the same state (a float32 cache
+    takes the attention kernel, a bfloat16 one XLA's path)."""
+    cfg, params = spec.target.cfg, spec.target.params
+    prompts = [p["token_ids"] for p in repetitive_prompts(LENGTHS[2:], cfg.vocab_size, seed=6)]
+    method, opts = method_options(spec, "eesd", {"max_draft": K})
+    plan, dparams, _ = methods.build(method, spec.target, **opts)
+    tokens, lens = map(jnp.asarray, prompt_rows(prompts, LENGTH))
+    rows = jnp.asarray([3, 0], jnp.int32)
+    rng = np.random.default_rng(7)
+    shape = (4, LENGTH, cfg.num_kv_heads, cfg.head_dim)
+    other = decoder.KVCache(*([jnp.asarray(rng.normal(size=shape), dtype) for _ in range(cfg.num_layers)]
+                              for _ in "kv"))
+    prefill = jax.jit(lambda params, dparams, cache: loop.prefill(plan, params, dparams, cfg, tokens, lens, cache,
+                                                                  (32, 8)))
+    h, fresh, state = prefill(params, dparams, decoder.KVCache.zeros(cfg, len(prompts), LENGTH, dtype))
+    h_in, into, state_in = prefill(params, dparams, decoder.KVCache(other.k, other.v, rows))
+    np.testing.assert_array_equal(np.asarray(h_in), np.asarray(h))
+    for a, b in zip(jax.tree.leaves(state_in), jax.tree.leaves(state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(into.rows), np.asarray(rows))
+    for got, want, before in zip(into.k + into.v, fresh.k + fresh.v, other.k + other.v):
+        got, want, before = (np.asarray(x, np.float32) for x in (got, want, before))
+        for row, n in zip(rows.tolist(), lens.tolist()):
+            np.testing.assert_array_equal(got[row, :n], want[rows.tolist().index(row), :n])
+        np.testing.assert_array_equal(got[[1, 2]], before[[1, 2]])
+
+
 def test_prefill_chunks_fill_products_with_rows():
     """On a CPU a prefill of few rows takes chunks of up to 128 positions before its chunks of 32
     (none longer than the cache), and one of many rows chunks of 32 only (the last size always

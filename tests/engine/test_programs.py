@@ -19,7 +19,7 @@ from support.spec import DAMP, damped, repetitive_prompts
 
 from jspec import methods
 from jspec.api import Model
-from jspec.engine import loop
+from jspec.engine import loop, slots
 from jspec.engine.sampling import Sampling
 from jspec.model import attention, decoder, kernels
 from jspec.model.kernels import gpu_attention
@@ -171,6 +171,29 @@ def test_accelerators_read_only_the_filled_part_of_the_cache(model, method):
     assert not over(whole, tpu) and over(block, tpu)
     assert not over(whole, cuda) and not over(block, cuda)
     assert sum(f"@{gpu_attention.TARGET}" in line for line in in_loops(cuda)) >= model.cfg.num_layers
+
+
+def test_an_accelerator_admit_prefills_its_rows_through_the_platforms_attention(model):
+    """Continuous batching's admit (jspec.engine.slots) prefills a prompt into its slot of the
+    batch's cache on an accelerator too (its rows taken out for the platform's attention): a GPU's
+    prefill chunks attend through the Pallas kernel, a TPU's read the cache in blocks."""
+    drafter, dparams, controller = methods.build("ar", model)
+    tokens, lens = map(jnp.asarray, model.prompt_rows(model.requests([{"token_ids": [5, 6, 7]}] * 2), 2, LENGTH))
+    eos, key = jnp.asarray(model.cfg.eos_token_ids or (-1,)), jax.random.key(0)
+    block = f"1x{attention.KEY_BLOCK}x{model.cfg.num_kv_heads}x{model.cfg.head_dim}x"
+    for platform in ACCELERATORS:
+        run = loop.Run(model.cfg, Sampling(), NEW, drafter, controller, platform=platform)
+        s = jax.eval_shape(functools.partial(slots.fill, run=run), model.params, dparams,
+                           decoder.KVCache.zeros(model.cfg, 2, LENGTH), tokens, lens, jnp.ones(2, bool), eos, key)
+        text = jax.export.export(slots.admit, platforms=[platform],
+                                 disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(gpu_attention.TARGET)])(
+            model.params, dparams, s, tokens[:1], lens[:1], jnp.asarray([1], jnp.int32), eos, key,
+            run=run).mlir_module()
+        if platform == "cuda":
+            assert sum(f"@{gpu_attention.TARGET}" in line for line in in_loops(text)) >= model.cfg.num_layers
+        else:
+            assert [line for line in in_loops(text) if "stablehlo.dot_general" in line
+                    and any(shape == block for shape, _ in tensors(line))]
 
 
 @pytest.mark.parametrize("method", SPECULATIVE)

@@ -294,6 +294,26 @@ def test_attention_query_gets_the_same_bits_in_any_call(kernel):
     np.testing.assert_array_equal(np.asarray(shorter), full)
 
 
+def test_attention_reads_the_cache_rows_it_is_given(kernel):
+    """Queries of 2 rows over a cache of 4, reading its rows 3 and 1 (an admit's prompts prefilled
+    into their slots): the bits of the same queries over those rows taken out; and through
+    attention.attention both on the kernel and on XLA's path (which takes the rows out)."""
+    q, k, v, q_pos, _ = attention_inputs(4, 5, 2, 2, 16, 300, seed=6)
+    q, q_pos, valid = q[:2], q_pos[:2], jnp.ones((2, 300), jnp.bool_)
+    rows = jnp.asarray([3, 1], jnp.int32)
+    want = jax.jit(kernels.attention)(q, k[rows], v[rows], q_pos, valid, q_pos + 1)
+    got = jax.jit(kernels.attention)(q, k, v, q_pos, valid, q_pos + 1, rows)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    through = jax.jit(lambda q, k, v, p: attention.attention(q, k, v, p, rows=rows))
+    np.testing.assert_array_equal(np.asarray(through(q, k, v, q_pos)), np.asarray(want[0]))
+    xla = attention.xla_attention(q, k[rows], v[rows], q_pos, None)[0]
+    np.testing.assert_allclose(np.asarray(through(q.astype(jnp.bfloat16), k, v, q_pos)),  # not the kernel's dtype
+                               np.asarray(xla), atol=2e-2)
+    with pytest.raises(Exception, match="a row outside the cache"):
+        jax.block_until_ready(kernels.attention(q, k, v, q_pos, valid, q_pos + 1, jnp.asarray([4, 0], jnp.int32)))
+
+
 @pytest.mark.parametrize("shape", ATTENTION_SHAPES + [(2, 32, 3, 3, 64, 300), (3, 7, 2, 3, 24, 140)])
 def test_attention_avx2_and_avx512_give_the_same_bits(avx2_too, shape):
     """AVX-512's score tiles (two keys a register, 8 queries x 4 keys, their lanes summed across

@@ -55,6 +55,7 @@ AMX_INT8_DEPTH = 64  # AMX's tiles take an int8 weight whose D is a multiple of 
 MAX_QUERIES = 128
 
 
+ABI = 2  # the library's jspec_abi(): its kernels take the arguments this module passes
 WANTED = os.environ.get("JSPEC_NATIVE") != "0"  # JSPEC_NATIVE=0 turns every kernel off
 
 
@@ -73,7 +74,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         return None, f"jspec/model/kernels/_native could not be loaded: {e}"
     if not lib.jspec_cpu_supported():
         return None, "this CPU lacks AVX2 or FMA"
-    if not hasattr(lib, "jspec_use_amx"):  # built from an older jspec's sources
+    if not hasattr(lib, "jspec_abi") or lib.jspec_abi() != ABI:  # built from an older jspec's sources
         return None, "jspec/model/kernels/_native is out of date: pip install jspec again to rebuild it"
     jax.ffi.register_ffi_target(TARGETS[jnp.dtype(jnp.float32)], jax.ffi.pycapsule(lib.JspecMatmul), platform="cpu")
     jax.ffi.register_ffi_target(TARGETS[jnp.dtype(jnp.bfloat16)], jax.ffi.pycapsule(lib.JspecMatmulBf16), platform="cpu")
@@ -204,19 +205,21 @@ def takes_gpu_attention(q: jax.Array, k: jax.Array) -> bool:
     return gpu_enabled and numerics.platform() == "cuda" and gpu_attention.takes(q, k)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid: jax.Array, prefix: jax.Array):
-    """q [B, T, K, G, H] over the cache k, v [B, S, K, H] (float32): query (b, t) sees keys
-    j < prefix[b, t] and key q_pos[b, t] (prefix <= q_pos + 1; q_pos + 1 is causal), those with
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid: jax.Array, prefix: jax.Array,
+              rows: jax.Array | None = None):
+    """q [B, T, K, G, H] over the cache k, v [R, S, K, H] (float32): query (b, t) sees keys
+    j < prefix[b, t] and key q_pos[b, t] of cache row rows[b] (default: row b), those with
     valid[b, j]. Returns the output [B, T, K, G, H] and the log of each query's softmax denominator
     [B, T, K, G] (-inf where it sees no key), float32. No derivative: `attention.attention` gives it
     the JAX path's."""
     b, t, kv, g, h = q.shape
-    if (k.shape != (b, k.shape[1], kv, h) or v.shape != k.shape or q_pos.shape != (b, t) or prefix.shape != (b, t)
-            or valid.shape != k.shape[:2]):
-        raise ValueError(f"kernels.attention needs q [B, T, K, G, H], k and v [B, S, K, H], q_pos and prefix [B, T] "
-                         f"and valid [B, S], got {q.shape}, {k.shape}, {v.shape}, {q_pos.shape}, {prefix.shape} "
-                         f"and {valid.shape}")
+    rows = jnp.arange(b, dtype=jnp.int32) if rows is None else rows
+    if (k.shape[2:] != (kv, h) or v.shape != k.shape or q_pos.shape != (b, t) or prefix.shape != (b, t)
+            or valid.shape != (b, k.shape[1]) or rows.shape != (b,)):
+        raise ValueError(f"kernels.attention needs q [B, T, K, G, H], k and v [R, S, K, H], q_pos and prefix [B, T], "
+                         f"valid [B, S] and rows [B], got {q.shape}, {k.shape}, {v.shape}, {q_pos.shape}, "
+                         f"{prefix.shape}, {valid.shape} and {rows.shape}")
     call = jax.ffi.ffi_call("jspec_attention", (jax.ShapeDtypeStruct(q.shape, jnp.float32),
                                                 jax.ShapeDtypeStruct(q.shape[:4], jnp.float32)))
     return call(q, k, v, q_pos.astype(jnp.int32), prefix.astype(jnp.int32), valid.astype(jnp.bool_),
-                scale=np.float32(h ** -0.5))
+                rows.astype(jnp.int32), scale=np.float32(h ** -0.5))

@@ -1,7 +1,7 @@
 // Attention of a few queries per row over jspec's KV cache on a CPU (called through jax.ffi from
-// jspec/model/kernels/__init__.py): q [B, T, K, G, H], cache k and v [B, S, K, H] (rows, positions, kv heads,
-// head dim), query (b, t) sees keys j < from[b, t] and key pos[b, t] (from <= pos + 1; from =
-// pos + 1 is causal attention, less lets a query skip the keys of alternatives to it, a round's
+// jspec/model/kernels/__init__.py): q [B, T, K, G, H], cache k and v [R, S, K, H] (rows, positions, kv heads,
+// head dim), query (b, t) sees keys j < from[b, t] and key pos[b, t] of cache row rows[b] (from <= pos + 1;
+// from = pos + 1 is causal attention, less lets a query skip the keys of alternatives to it, a round's
 // candidates side by side), those with valid[b, j] set; out [B, T, K, G, H] and
 // the log of each query's softmax denominator, lse [B, T, K, G] (-inf where it sees no key), with
 // which a caller merges this attention with one over keys kept elsewhere (MJSD's beams).
@@ -27,7 +27,7 @@
 
 namespace ffi = xla::ffi;
 using Queries = ffi::Buffer<ffi::F32, 5>;  // q and out [B, T, K, G, H]
-using Cache = ffi::Buffer<ffi::F32, 4>;    // k and v [B, S, K, H]
+using Cache = ffi::Buffer<ffi::F32, 4>;    // k and v [R, S, K, H]
 using jspec::ParallelFor;
 using jspec::Sum8;
 
@@ -345,7 +345,7 @@ constexpr int64_t kChunkKeys = 128;  // a multiple of 8: a chunk's lanes are pos
 
 AVX2 void Chunk(const Shapes& n, const float* q, const float* k, const float* v, const int32_t* pos,
                 const int32_t* from, const bool* valid, float scale, float* partial, int64_t chunks, int64_t b,
-                int64_t t0, int64_t t1, int64_t chunk) {
+                int64_t row, int64_t t0, int64_t t1, int64_t chunk) {
   thread_local std::vector<float> qs, scores, kbuf, vbuf;  // a thread's scratch, kept between calls
   const int64_t h = n.h, g = n.g, key_stride = n.kv * h, nq = (t1 - t0) * g, stride = h + 2;
   int64_t keys = 0;  // keys [0, keys) are all the block's queries can see
@@ -356,14 +356,14 @@ AVX2 void Chunk(const Shapes& n, const float* q, const float* k, const float* v,
   const __m256i tail = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
   alignas(64) float acc[4 * 64];
   const bool wide = jspec::HasAvx512();
-  // The chunk's keys and values are contiguous in the cache ([count, K, H] of row b): one
+  // The chunk's keys and values are contiguous in the cache ([count, K, H] of its row `row`): one
   // sequential copy of each streams them from memory at full speed, where the per-head passes
   // below, 1 of every K heads' bytes at a time, left the prefetchers behind.
   if (count > 0) {
     kbuf.resize(count * key_stride);
     vbuf.resize(count * key_stride);
-    std::copy_n(k + (b * n.s + c0) * key_stride, count * key_stride, kbuf.data());
-    std::copy_n(v + (b * n.s + c0) * key_stride, count * key_stride, vbuf.data());
+    std::copy_n(k + (row * n.s + c0) * key_stride, count * key_stride, kbuf.data());
+    std::copy_n(v + (row * n.s + c0) * key_stride, count * key_stride, vbuf.data());
   }
   for (int64_t kh = 0; kh < n.kv; ++kh) {
     auto out = [&](int64_t i) {
@@ -439,14 +439,21 @@ void Combine(const float* partial, int64_t chunks, int64_t h, float* out, float*
   *lse = top + std::log(sum);
 }
 
+// Row b of the queries reads row rows[b] of the cache, which may hold more rows than the queries:
+// a continuous batch's admit prefills new prompts in place, into their slots of the batch's cache.
 ffi::Error Attention(ffi::ThreadPool pool, Queries q, Cache k, Cache v, ffi::Buffer<ffi::S32, 2> pos,
-                     ffi::Buffer<ffi::S32, 2> from, ffi::Buffer<ffi::PRED, 2> valid, float scale,
-                     ffi::Result<Queries> out, ffi::Result<ffi::Buffer<ffi::F32, 4>> lse) {
+                     ffi::Buffer<ffi::S32, 2> from, ffi::Buffer<ffi::PRED, 2> valid,
+                     ffi::Buffer<ffi::S32, 1> rows, float scale, ffi::Result<Queries> out,
+                     ffi::Result<ffi::Buffer<ffi::F32, 4>> lse) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   Shapes n{qd[0], qd[1], qd[2], qd[3], kd[1], qd[4]};
-  if (kd[0] != n.b || kd[2] != n.kv || kd[3] != n.h || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] ||
-      vd[3] != kd[3])
-    return ffi::Error::InvalidArgument("jspec_attention: q, k and v disagree in shape");
+  if (kd[2] != n.kv || kd[3] != n.h || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] || vd[3] != kd[3] ||
+      rows.dimensions()[0] != n.b)
+    return ffi::Error::InvalidArgument("jspec_attention: q, k, v and rows disagree in shape");
+  const int32_t* cache_rows = rows.typed_data();
+  for (int64_t b = 0; b < n.b; ++b)
+    if (cache_rows[b] < 0 || cache_rows[b] >= kd[0])
+      return ffi::Error::InvalidArgument("jspec_attention: a row outside the cache");
   const int64_t queries = n.b * n.t * n.kv * n.g;
   if (queries == 0 || n.h == 0) return ffi::Error::Success();
   // Items are (row, block of 16 query positions, chunk of keys), so even one query over a long
@@ -465,7 +472,8 @@ ffi::Error Attention(ffi::ThreadPool pool, Queries q, Cache k, Cache v, ffi::Buf
   ParallelFor(pool, n.b * t_blocks * chunks, [=](int64_t item) {
     const int64_t chunk = item % chunks, tb = (item / chunks) % t_blocks, b = item / (chunks * t_blocks);
     const int64_t t0 = tb * kBlockQueries;
-    Chunk(n, qs, ks, vs, ps, fs, valids, scale, partials, chunks, b, t0, std::min(n.t, t0 + kBlockQueries), chunk);
+    Chunk(n, qs, ks, vs, ps, fs, valids, scale, partials, chunks, b, cache_rows[b], t0,
+          std::min(n.t, t0 + kBlockQueries), chunk);
   });
   float *o = out->typed_data(), *l = lse->typed_data();
   for (int64_t i = 0; i < queries; ++i) Combine(partials + i * chunks * (n.h + 2), chunks, n.h, o + i * n.h, l + i);
@@ -481,6 +489,7 @@ auto Binding() {
       .Arg<ffi::Buffer<ffi::S32, 2>>()
       .Arg<ffi::Buffer<ffi::S32, 2>>()
       .Arg<ffi::Buffer<ffi::PRED, 2>>()
+      .Arg<ffi::Buffer<ffi::S32, 1>>()
       .Attr<float>("scale")
       .Ret<Queries>()
       .Ret<ffi::Buffer<ffi::F32, 4>>();

@@ -659,6 +659,10 @@ extern "C" int jspec_use_amx(int use) { return UseAmx().exchange(use != 0 && Cpu
 // The products' paths in use: 1 for AVX-512's tiles, + 2 for AMX's (bfloat16 weights).
 extern "C" int jspec_paths() { return HasAvx512() + 2 * UseAmx().load(std::memory_order_relaxed); }
 
+// What the Python side checks its library against: raised with each change of a kernel's arguments (2: attention
+// takes the cache rows its queries read).
+extern "C" int jspec_abi() { return 2; }
+
 extern "C" int jspec_cpu_supported() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");

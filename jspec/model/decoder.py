@@ -58,8 +58,9 @@ SMALL_ROWS = 64  # from 2 to this many float32 rows on a CPU, linear multiplies 
 class KVCache:
     k: list[jax.Array]  # per layer [B, S, K, H]
     v: list[jax.Array]  # per layer [B, S, K, H]
-    # [n]: a forward of n rows reads and writes the cache's rows rows[0..n) (a continuous batch's
-    # admit prefills new prompts in place, into their slots: jspec.engine.slots); None: row b is b.
+    # [n]: row i of a forward of n rows reads and writes the cache's row rows[i] (a continuous
+    # batch's admit prefills new prompts in place, into their slots: jspec.engine.slots); None:
+    # row i is row i.
     rows: jax.Array | None = None
 
     @classmethod

@@ -15,8 +15,8 @@ per row, and for the lossless methods the tokens of `ar` at batch 1. A row's cac
 counters, drafter state and controller state are its rows of each array of the LoopState
 (jspec.engine.state), so admitting a prompt is prefilling it into the slot's rows of the cache
 and writing its rows of the rest of a fresh prefill's state over the slot's; nothing of the slot's
-last prompt is read again (entries past a row's length are never attended to). The batch's cache length is fixed for the run: its longest prompt's bucket, plus
-max_new_tokens and the draft.
+last prompt is read again (entries past a row's length are never attended to). The batch's
+cache length is fixed for the run: its longest prompt's bucket, plus max_new_tokens and the draft.
 """
 
 from __future__ import annotations

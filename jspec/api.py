@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import itertools
 import os
 import time
 from typing import Iterable, Iterator, Sequence
@@ -25,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec import compilation_cache, distributed, memory, methods
-from jspec.batching import Request, admit_groups, batch_rows, batches, prompt_bucket, prompt_rows, shortest_first
+from jspec.batching import (Request, admit_groups, batch_rows, batches, prompt_bucket, prompt_rows, shortest_first,
+                            stage_alike, stage_rows)
 from jspec.convert import cache as model_cache, store
 from jspec.engine import loop, slots
 from jspec.engine.pricing import measure as measure_costs, resolve as resolve_pricing
@@ -38,6 +40,7 @@ from jspec.model.decoder import KVCache
 from jspec.model.layout import param_shapes
 from jspec.model.numerics import Numerics
 from jspec.prompts import Prompt, encode as encode_prompt, is_conversation, requests as make_requests
+from jspec.records import record
 from jspec.tokenizer import Tokenizer
 
 BATCHING = ("continuous", "static")
@@ -74,7 +77,7 @@ class Model:
         self.cfg, self.params, self.tokenizer, self.mesh, self.name = cfg, params, tokenizer, mesh, name
         self.numerics = numerics  # the activation and KV cache dtypes its programs use
         self._programs = Programs()
-        self._caches: dict = {}  # (rows, length) -> the last batch's KVCache: one at most, reused or freed
+        self._caches: dict = {}  # (rows, length) -> the last run's KVCaches (a staged one too), reused or freed
         self._costs: dict = {}  # what round_costs measured, by batch and plan
 
     # -- prompts -----------------------------------------------------------------------------
@@ -208,6 +211,8 @@ class Model:
         s, began = run(slots.fill, rows, length, self._cache(rows, length), self._rows(tokens), self._rows(lens),
                        self._rows(active), eos, key)
         began = [began] * rows
+        # On a CPU the next prompts are prefilled ahead, `stage` at a time, and handed to slots
+        stage, stage_state, staged, stage_began = stage_rows(self.platform, rows), None, [], 0.0
         while True:
             idle = np.asarray([r is None for r in held])
             (s, done, out, stats), _ = run(slots.advance, rows, length, s, eos, self._rows(idle), np.int32(1),
@@ -215,11 +220,20 @@ class Model:
             done, out, stats = distributed.gather((done, out, stats))
             now = self.clock()
             for i in np.flatnonzero(done & ~idle):
-                yield held[i], self._record(held[i], i, out, stats, now - began[i], drafter)
+                yield held[i], record(held[i], i, out, stats, now - began[i], drafter, self.tokenizer, self.policy())
                 held[i] = None
             free = [i for i, r in enumerate(held) if r is None]
-            if not queue and len(free) == rows:
+            if not queue and not staged and len(free) == rows:
                 break
+            # Staged prompts first; the queue's next `stage` staged when they are alike (stage_alike)
+            while stage and free and (staged or stage_alike([len(r.token_ids) for r in itertools.islice(queue, stage)],
+                                                            stage, loop.prefill_chunk(self.platform, length))):
+                if not staged:
+                    stage_state, staged, stage_began = self._stage(run, stage, length, stage_state, queue, eos, seed)
+                i = free.pop(0)
+                row, held[i] = staged.pop(0)
+                s, _ = run(slots.admit_staged, rows, length, s, stage_state, np.int32(row), np.int32(i))
+                began[i] = stage_began
             # The free slots' prompts in admits of like chunks, a power of two rows each (a program per size)
             coming = [queue.popleft() for _ in free[:len(queue)]]
             for part in admit_groups([len(r.token_ids) for r in coming], loop.prefill_chunk(self.platform, length)):
@@ -233,6 +247,19 @@ class Model:
                 for i, r in zip(take, group):
                     held[i], began[i] = r, now
         self._caches[(rows, length)] = s.cache
+        if stage_state is not None:
+            self._caches[(stage, length)] = stage_state.cache
+
+    def _stage(self, run, n: int, length: int, last, queue: collections.deque, eos, seed):
+        """The queue's next n prompts prefilled ahead by fill into a cache of n rows (the `last`
+        stage's, donated): (their LoopState, [(row, request)], the clock when the fill began)."""
+        group = [queue.popleft() for _ in range(n)]
+        tokens, lens = self.prompt_rows(group, n, length)
+        cache = self._cache(n, length) if last is None else last.cache
+        key = jax.random.fold_in(jax.random.key(seed), group[0].index)
+        state, began = run(slots.fill, n, length, cache, self._rows(tokens), self._rows(lens),
+                           self._rows(np.ones(n, bool)), eos, key)
+        return state, list(enumerate(group)), began
 
     def _run_program(self, program, rows, length, *args, plan, max_new, sampling, logprobs):
         """program(params, dparams, *args), compiled if need be: its result, and the clock when the
@@ -277,7 +304,7 @@ class Model:
         out, stats = distributed.gather((out, stats))
         seconds = self.clock() - t0
         self._caches[(rows, length)] = cache
-        return [self._record(r, i, out, stats, seconds, drafter) for i, r in enumerate(batch)]
+        return [record(r, i, out, stats, seconds, drafter, self.tokenizer, self.policy()) for i, r in enumerate(batch)]
 
     @property
     def compiling(self) -> tuple[int, float]:
@@ -387,33 +414,3 @@ class Model:
                 return program.lower(*args, run=run).compile()
 
         return self._programs.get(sig, build)
-
-    def _record(self, req: Request, i: int, out, stats: dict, seconds: float, drafter) -> dict:
-        """The record of row i of a program's outputs (out [B, max_new], stats of [B, ...])."""
-        if not stats["finite"][i]:
-            raise JspecError(f"the model's first logits for prompt {req.id!r} are not finite numbers (NaN or "
-                             f"infinity): its weights or its dtypes ({self.dtype} weights, {self.numerics.activations} "
-                             "activations) cannot run it")
-        new = int(stats["new_tokens"][i])
-        row = {k: v[i].tolist() for k, v in stats.items() if k not in ("top_ids", "top_logprobs", "finite")}
-        ids = [int(t) for t in out[i, :new]]
-        return {
-            "id": req.id,
-            "text": self.tokenizer.decode(ids) if self.tokenizer is not None else None,
-            "token_ids": ids,
-            "new_tokens": new,
-            "prompt_tokens": len(req.token_ids),
-            "seconds": round(seconds, 6),
-            "tokens_per_second": round(new / seconds, 3) if seconds > 0 else None,
-            "numerics": self.policy(),
-            "stats": {
-                "rounds": row["rounds"],
-                "batch_rounds": row["batch_rounds"],
-                "drafted": row["drafted"],
-                "accepted": row["accepted"],
-                "mean_accepted_tokens": round(new / max(row["rounds"], 1), 4),
-                "acceptance_rate": round(row["accepted"] / row["drafted"], 4) if row["drafted"] else None,
-                **drafter.record_stats(row),
-            },
-            **{name: stats[name][i, :new] for name in ("top_ids", "top_logprobs") if name in stats},
-        }

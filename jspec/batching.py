@@ -74,6 +74,34 @@ def admit_groups(lengths: Sequence[int], chunk: int) -> list[list[int]]:
     return groups
 
 
+# Prompts a continuous batch prefills ahead together on a CPU (stage_rows): a chunk's products
+# there are bound by arithmetic and cost less a position the more rows they hold.
+STAGE_ROWS = 4
+
+
+def stage_rows(platform: str, rows: int) -> int:
+    """How many prompts a continuous batch of `rows` slots prefills ahead together, to hand them to
+    slots as they free (jspec.engine.slots.admit_staged), or 0: each admit prefills its own prompts
+    in place. On a CPU a prefill of one row takes 0.81 ms a position in chunks of 128 and 1.09 in
+    chunks of 32, where 4 rows take 0.72 (docs/design.md, "Continuous batching"); the staged rows
+    cost a cache of their own, STAGE_ROWS rows at most and half the batch's. An accelerator's
+    chunk of one row already fills its matrix units (loop.ACCELERATOR_CHUNK)."""
+    n = min(STAGE_ROWS, rows // 2)
+    return n if platform == "cpu" and n >= 2 else 0
+
+
+def stage_alike(lengths: Sequence[int], n: int, chunk: int) -> bool:
+    """Whether the queue's next prompts (their lengths, shortest first) are n prompts to prefill
+    ahead together (stage_rows): a stage's rows run as many chunks (of `chunk` positions) as its
+    longest prompt needs, so its longest may need at most a quarter more than its shortest.
+    Otherwise the next prompt is admitted in place, alone or with prompts of as many chunks
+    (admit_groups), rather than prefilled as far as a prompt several times its length (one
+    Spec-Bench question a category, 20 to 1,600 tokens, staged four at a time regardless ran
+    1.7x as long). Spec-Bench's 480, shortest first, are alike but for 4 of the 472 admitted."""
+    chunks = [-(-length // chunk) for length in lengths]
+    return len(chunks) == n and chunks[-1] <= chunks[0] + chunks[0] // 4
+
+
 def batches(requests: Sequence[Request], batch_size: int) -> list[list[Request]]:
     """Split requests into batches, shortest prompts first (ties in the given order); at batch
     size 1, in the given order.

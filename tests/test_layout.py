@@ -20,7 +20,7 @@ LAYERS = {
     "errors": 0, "moved": 0, "files": 1, "prompt_sets": 1, "chat_template": 1, "distributed": 1,
     "tokenizer": 2, "jsonl": 2,
     "model": 10, "controllers": 10,
-    "engine": 20, "batching": 20, "memory": 20, "prompts": 25,
+    "engine": 20, "batching": 20, "memory": 20, "prompts": 25, "records": 25,
     "convert": 30,
     "parts": 40,
     "drafters": 50,
@@ -128,7 +128,8 @@ def test_modules_stay_small():
 def test_the_package_root_holds_the_face_the_api_and_a_few_helpers():
     assert {m for m in MODULES if "." not in m.removeprefix("jspec.") and m != "jspec"} == {
         f"jspec.{name}" for name in ("api", "batching", "chat_template", "compilation_cache", "distributed", "errors",
-                                     "files", "jsonl", "memory", "moved", "prompt_sets", "prompts", "tokenizer")} | {
+                                     "files", "jsonl", "memory", "moved", "prompt_sets", "prompts", "records",
+                                     "tokenizer")} | {
         f"jspec.{folder}" for folder in ("bench", "cli", "controllers", "convert", "drafters", "engine", "methods",
                                          "model", "parts", "training")}
 

@@ -1,7 +1,7 @@
 """Continuous batching: a batch of B slots, each row refilled with the next prompt once it finishes.
 
 The rows of a static batch (jspec.engine.loop.generate) that finished keep their slot until its
-longest row ends. Here the host (jspec.api) runs three programs over one LoopState of B rows:
+longest row ends. Here the host (jspec.api) runs these programs over one LoopState of B rows:
 
     fill     prefill the first B prompts into the batch's cache (`active` marks the rows that hold one)
     advance  decoding rounds until `need` rows finished that the host has not yet taken, or all did
@@ -9,6 +9,9 @@ longest row ends. Here the host (jspec.api) runs three programs over one LoopSta
     admit    prefill n new prompts and put them into the given slots (rows), mid-run (the host
              admits the free slots' prompts in groups of as many prefill chunks, n a power of
              two: a program per n; jspec.batching.admit_groups)
+    admit_staged  put one prompt that fill prefilled ahead, with others, into a slot: on a CPU
+             the host stages the next few prompts so (jspec.batching.stage_rows) and admits
+             none itself
 
 A round is the same `Run.round` in every program, so each row decodes as it would alone: speculation
 per row, and for the lossless methods the tokens of `ar` at batch 1. A row's cache, tokens,
@@ -53,6 +56,16 @@ def admit(params, dparams, s: LoopState, tokens, lens, slots, eos_ids, key, *, r
         without_cache = functools.partial(dataclasses.replace, cache=None)
         s = put_rows(without_cache(s), without_cache(new), slots)
         return pinned(dataclasses.replace(s, cache=dataclasses.replace(new.cache, rows=None)), run.mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("run",), donate_argnames=("s",))
+def admit_staged(params, dparams, s: LoopState, staged: LoopState, row, slot, *, run: Run) -> LoopState:
+    """Row `row` of `staged` (prompts prefilled ahead by fill into a cache of their own: the host
+    stages them where jspec.batching.stage_rows says) put into slot `slot` of s, its cache row
+    with it."""
+    with run.tracing():
+        one = jax.tree.map(lambda x: x if x.ndim == 0 else jax.lax.dynamic_slice_in_dim(x, row, 1), staged)
+        return pinned(put_rows(s, one, slot[None]), run.mesh)
 
 
 def put_rows(s: LoopState, new: LoopState, slots: jax.Array) -> LoopState:

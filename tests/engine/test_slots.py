@@ -81,29 +81,60 @@ def test_a_refilled_row_forgets_its_last_prompt(spec, prompts, ar):
     assert order == ar[::-1]
 
 
+@pytest.mark.parametrize("drafter", ["ngram", "eesd", "draft"])
+def test_admits_in_place_equal_ar(spec, prompts, ar, drafter):
+    """At batch 2 (no prompts staged: batching.stage_rows) each admit prefills its prompts into
+    their slots' rows of the batch's cache: the target's, an early exit head's, a draft model's."""
+    method, opts = method_options(spec, drafter, {"max_draft": K})
+    assert batching.stage_rows("cpu", 2) == 0
+    assert ids(spec.target.generate(prompts, method=method, max_new_tokens=NEW, batch_size=2, **opts)) == ar
+
+
 def test_programs_of_a_run(spec, prompts):
-    """A continuous run compiles fill, one advance (its priced rounds' costs were timed on it) and
-    an admit per group size, whatever its prompts' lengths (they are prefilled in chunks); its
-    decoding loop copies no layer's cache (the state is donated)."""
+    """A continuous run compiles fill for its slots and for the prompts it stages (on a CPU, two
+    at a time at batch 4), one advance (its priced rounds' costs were timed on it), one
+    admit_staged and an admit per group size for prompts unlike their neighbours, whatever its
+    prompts' lengths (they are prefilled in chunks); neither its decoding loop nor a staged
+    prompt's admit copies a layer's cache (the state is donated)."""
     model = type(spec.target)(spec.target.cfg, spec.target.params, name="fresh")
     assert len({batching.prompt_bucket(len(p["token_ids"])) for p in prompts}) >= 3
     model.generate(prompts, method="ngram", max_new_tokens=8, batch_size=BATCH)
+    assert sorted(sig.rows for sig in model.programs() if sig.program == "fill") == [2, BATCH]
     kinds = [sig.program for sig in model.programs()]
-    assert kinds.count("fill") == kinds.count("advance") == 1 and "generate" not in kinds
+    assert kinds.count("advance") == kinds.count("admit_staged") == 1 and "generate" not in kinds
     admits = [sig.rows for sig in model.programs() if sig.program == "admit"]
-    assert len(admits) == len(set(admits)) and set(admits) <= {1, 2, 4}
-    advance = {sig: c for sig, c in model.programs().items() if sig.program == "advance"}
-    assert cache_copies(model.cfg, advance) == [(BATCH, 0, 0)]
+    assert len(admits) == len(set(admits)) and set(admits) <= {1, 2}
+    loops = {sig: c for sig, c in model.programs().items() if sig.program in ("advance", "admit_staged")}
+    assert cache_copies(model.cfg, loops) == [(BATCH, 0, 0)] * 2
+
+
+def test_prompts_are_staged_on_a_cpu_only():
+    """Half the batch, four at most, and none below two; an accelerator prefills each admit's
+    prompts in place."""
+    assert [batching.stage_rows("cpu", b) for b in (1, 2, 3, 4, 6, 8, 32)] == [0, 0, 0, 2, 3, 4, 4]
+    assert batching.stage_rows("cuda", 8) == batching.stage_rows("tpu", 32) == 0
+
+
+def test_only_alike_prompts_are_staged_together():
+    """A stage's rows run as many chunks as its longest prompt needs: four prompts are staged
+    together only if the longest needs at most a quarter more chunks than the shortest, and
+    never fewer than the stage's rows."""
+    assert batching.stage_alike([40, 50, 60, 64], 4, 32)  # two chunks each
+    assert not batching.stage_alike([30, 40, 50, 60], 4, 32)  # one chunk, then two
+    assert batching.stage_alike([400, 420, 480, 500], 4, 32)  # 13 to 16 chunks
+    assert not batching.stage_alike([400, 420, 480, 540], 4, 32)  # 13 to 17
+    assert not batching.stage_alike([40, 50], 4, 32)
 
 
 def test_rows_that_end_together_are_refilled_in_one_admit(spec):
-    """Twelve prompts of one length, two tokens each (no EOS): every round the four rows end
-    together, and the next four come in one admit (one program, run twice), not four."""
+    """Six prompts of one length, two tokens each (no EOS), at batch 2 (admits in place): every
+    round the two rows end together, and the next two come in one admit (one program, run
+    twice), not two."""
     model = type(spec.free)(spec.free.cfg, spec.free.params, name="fresh")
-    same = [{"token_ids": p["token_ids"][:3]} for p in repetitive_prompts([9] * 12, model.cfg.vocab_size, seed=2)]
-    records = model.generate(same, max_new_tokens=2, batch_size=BATCH)
+    same = [{"token_ids": p["token_ids"][:3]} for p in repetitive_prompts([9] * 6, model.cfg.vocab_size, seed=2)]
+    records = model.generate(same, max_new_tokens=2, batch_size=2)
     assert ids(records) == [ids(model.generate([p], max_new_tokens=2))[0] for p in same]
-    assert [sig.rows for sig in model.programs() if sig.program == "admit"] == [BATCH]
+    assert [sig.rows for sig in model.programs() if sig.program == "admit"] == [2]
 
 
 def test_admits_group_prompts_of_as_many_chunks_in_powers_of_two():

@@ -77,7 +77,7 @@ class Model:
         self.cfg, self.params, self.tokenizer, self.mesh, self.name = cfg, params, tokenizer, mesh, name
         self.numerics = numerics  # the activation and KV cache dtypes its programs use
         self._programs = Programs()
-        self._caches: dict = {}  # (rows, length) -> the last run's KVCaches (a staged one too), reused or freed
+        self._caches: dict = {}  # (rows, length) -> the last batch's KVCache: one at most, reused or freed
         self._costs: dict = {}  # what round_costs measured, by batch and plan
 
     # -- prompts -----------------------------------------------------------------------------
@@ -213,6 +213,7 @@ class Model:
         began = [began] * rows
         # On a CPU the next prompts are prefilled ahead, `stage` at a time, and handed to slots
         stage, stage_state, staged, stage_began = stage_rows(self.platform, rows), None, [], 0.0
+        chunk = loop.prefill_chunk(self.platform, length)
         while True:
             idle = np.asarray([r is None for r in held])
             (s, done, out, stats), _ = run(slots.advance, rows, length, s, eos, self._rows(idle), np.int32(1),
@@ -227,7 +228,7 @@ class Model:
                 break
             # Staged prompts first; the queue's next `stage` staged when they are alike (stage_alike)
             while stage and free and (staged or stage_alike([len(r.token_ids) for r in itertools.islice(queue, stage)],
-                                                            stage, loop.prefill_chunk(self.platform, length))):
+                                                            stage, chunk)):
                 if not staged:
                     stage_state, staged, stage_began = self._stage(run, stage, length, stage_state, queue, eos, seed)
                 i = free.pop(0)
@@ -236,7 +237,7 @@ class Model:
                 began[i] = stage_began
             # The free slots' prompts in admits of like chunks, a power of two rows each (a program per size)
             coming = [queue.popleft() for _ in free[:len(queue)]]
-            for part in admit_groups([len(r.token_ids) for r in coming], loop.prefill_chunk(self.platform, length)):
+            for part in admit_groups([len(r.token_ids) for r in coming], chunk):
                 take, group = [free[i] for i in part], [coming[i] for i in part]
                 n = len(take)
                 tokens, lens = self.prompt_rows(group, n, length)
@@ -246,9 +247,7 @@ class Model:
                              self._everywhere(into), eos, key)
                 for i, r in zip(take, group):
                     held[i], began[i] = r, now
-        self._caches[(rows, length)] = s.cache
-        if stage_state is not None:
-            self._caches[(stage, length)] = stage_state.cache
+        self._caches[(rows, length)] = s.cache  # not the stage's: it goes with the run
 
     def _stage(self, run, n: int, length: int, last, queue: collections.deque, eos, seed):
         """The queue's next n prompts prefilled ahead by fill into a cache of n rows (the `last`

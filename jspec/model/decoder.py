@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.model import kernels, numerics, weights
+from jspec.model.kernels import gpu_int8
 from jspec.model.attention import attention, block_attention, prefill_attention
 from jspec.model.config import ModelConfig, rope_inv_freq
 
@@ -295,7 +296,8 @@ def linear(x: jax.Array, w, dtype=None) -> jax.Array:
     (docs/design.md): jspec's native kernel for the float32 rows where it wins
     (jspec/model/kernels, where it is built), else a multiply-and-sum over D, which XLA fuses into
     one loop over w. Their rounding differs from the matmul's near 1e-6 of a logit, which has
-    not changed a token in any measured run."""
+    not changed a token in any measured run. On a GPU an int8 weight goes through jspec's Pallas
+    kernel (kernels/gpu_int8.py), which widens each tile of it in registers."""
     dtype = x.dtype if dtype is None else dtype
     rows = math.prod(x.shape[:-1])
     flat = x.reshape(rows, -1)
@@ -307,9 +309,11 @@ def linear(x: jax.Array, w, dtype=None) -> jax.Array:
     if (2 <= rows or values.dtype != x.dtype) and rows <= SMALL_ROWS and numerics.platform() == "cpu":
         # Rows major, so the result needs no transpose: faster than [N, rows] transposed after.
         out = jnp.sum(values[None].astype(jnp.float32) * flat[:, None].astype(jnp.float32), axis=-1)
+    elif weights.is_int8(w) and kernels.takes_gpu_int8(flat, values):
+        # jax's CUDA lowering would convert the values before the dot, into a widened copy.
+        out = gpu_int8.matmul(flat, values)
     elif weights.is_int8(w):
-        # The int8 values go to the dot as they are: a TPU multiplies mixed operands so. (For a
-        # GPU jax converts them before the dot: docs/benchmarks-accelerator.md.)
+        # The int8 values go to the dot as they are: a TPU multiplies mixed operands so.
         out = jax.lax.dot_general(flat, values, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     else:
         out = jnp.einsum("rd,nd->rn", flat, w, preferred_element_type=jnp.float32)

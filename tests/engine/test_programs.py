@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import re
 
 import jax
@@ -142,19 +143,20 @@ def test_float32_activations_widen_bfloat16_weights(model):
     assert len(widened(lowered(in_bfloat16(model), "ar", "cuda"), model)) >= 4 * model.cfg.num_layers
 
 
-def test_int8_weights_reach_a_tpu_product_as_stored(model):
+def test_int8_weights_reach_an_accelerators_product_as_stored(model):
     """On a TPU an int8 weight goes into its product as int8 (float32 or bfloat16 rows times int8
-    values, the per-row scale applied to the product's outputs), with no convert of it inside the
-    loop: no wider copy of a weight is made. (On a GPU jax's lowering converts the values first,
-    and XLA then writes a widened copy: docs/benchmarks-accelerator.md.)"""
+    values, the per-row scale applied to the product's outputs); on a GPU into jspec's Pallas
+    kernel (kernels/gpu_int8.py), as jax's own lowering would convert the values first. Either
+    way no convert of it inside the loop: no wider copy of a weight is made."""
     m8 = in_int8(model)
     shapes = {"x".join(map(str, x.shape)) + "x" for x in jax.tree.leaves(m8.params) if x.ndim == 2}
     int8_weight = lambda line: any(s in shapes and kind == "i8" for s, kind in tensors(line))  # noqa: E731
-    for numerics in (Numerics(), ALL_BF16):
-        body = in_loops(lowered(m8, "ar", "tpu", numerics))
-        products = [line for line in body if "stablehlo.dot_general" in line and int8_weight(line)]
-        assert len(products) >= 4 * model.cfg.num_layers + 1, numerics  # every matrix and the LM head
-        assert not [line for line in body if "stablehlo.convert" in line and int8_weight(line)], numerics
+    product = {"tpu": "stablehlo.dot_general", "cuda": f"@{gpu_attention.TARGET}"}
+    for platform, numerics in itertools.product(ACCELERATORS, (Numerics(), ALL_BF16)):
+        body = in_loops(lowered(m8, "ar", platform, numerics))
+        products = [line for line in body if product[platform] in line and int8_weight(line)]
+        assert len(products) >= 4 * model.cfg.num_layers + 1, (platform, numerics)  # every matrix, the LM head
+        assert not [line for line in body if "stablehlo.convert" in line and int8_weight(line)], (platform, numerics)
 
 
 @pytest.mark.parametrize("method", sorted(OPTIONS))

@@ -1,6 +1,7 @@
 """jspec's kernels: on a CPU, native code called through jax.ffi, a matmul of float32 rows by a
 float32, bfloat16 or int8 weight (matmul.cc) and attention over the KV cache (attention.cc); on an
-NVIDIA GPU, attention over the filled part of the KV cache in Pallas (gpu_attention.py).
+NVIDIA GPU, in Pallas, attention over the filled part of the KV cache (gpu_attention.py) and the
+product of an int8 weight read as stored (gpu_int8.py).
 
 XLA:CPU multiplies a few rows by a weight far below what memory bandwidth allows (it repacks
 the weight for a small matmul, and the multiply-and-sum `decoder.linear` uses instead is compute
@@ -12,7 +13,7 @@ with the kernels keeps them: call jax.clear_caches() after changing `enabled`.
 
 The kernels are optional. The CPU's are not used when the extension was not built (pip install
 prints why), when the CPU lacks AVX2 or FMA, or when JSPEC_NATIVE=0 is set; `unavailable` says
-which. The GPU's is not used when JSPEC_NATIVE=0 is set.
+which. The GPU's are not used when JSPEC_NATIVE=0 is set.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.model import numerics
-from jspec.model.kernels import gpu_attention
+from jspec.model.kernels import gpu_attention, gpu_int8
 
 TARGETS = {jnp.dtype(jnp.float32): "jspec_matmul", jnp.dtype(jnp.bfloat16): "jspec_matmul_bf16"}
 # The most float32 rows it is used for (docs/design.md, "Few rows"): above 32 the
@@ -86,7 +87,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
 
 _lib, unavailable = _load()  # the CPU kernels' library, or why they are not used
 enabled = unavailable is None  # read by `takes` and `takes_attention` at trace time
-gpu_enabled = WANTED  # read by `takes_gpu_attention` at trace time
+gpu_enabled = WANTED  # read by `takes_gpu_attention` and `takes_gpu_int8` at trace time
 
 
 def spin(micros: int) -> int:
@@ -203,6 +204,14 @@ def takes_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
 def takes_gpu_attention(q: jax.Array, k: jax.Array) -> bool:
     """Whether `attention.attention` runs the GPU's Pallas kernel for queries q over the cache k."""
     return gpu_enabled and numerics.platform() == "cuda" and gpu_attention.takes(q, k)
+
+
+def takes_gpu_int8(x: jax.Array, values: jax.Array) -> bool:
+    """Whether `decoder.linear` multiplies rows x [R, D] by int8 values [N, D] with the GPU's Pallas
+    kernel: on one device (gpu_int8 says why not on a mesh)."""
+    mesh = numerics.mesh()
+    return (gpu_enabled and numerics.platform() == "cuda" and (mesh is None or mesh.devices.size == 1)
+            and gpu_int8.takes(x, values))
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid: jax.Array, prefix: jax.Array,

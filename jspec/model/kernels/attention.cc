@@ -21,6 +21,7 @@
 
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "common.h"
@@ -33,7 +34,10 @@ using jspec::Sum8;
 
 namespace {
 
-constexpr int64_t kBlockQueries = 16;  // query positions t per work item
+// Query positions t per work item: 16, or up to 64 in a call with items enough (a prefill's
+// chunk), as each item copies its chunk of keys and values once (Attention).
+constexpr int64_t kBlockQueries = 16, kMostBlockQueries = 64, kItems = 8;
+constexpr int64_t kCombineQueries = 256;  // queries a work item of Combine takes
 
 // The lane sums of 8 vectors, each ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)): the same
 // order for every vector, whichever others share the call.
@@ -118,19 +122,24 @@ AVX2 void ValueTile(const float* p, int64_t p_stride, const float* v, int64_t v_
   for (int e = 0; e < 16; ++e) mask[e] = e < lanes ? -1 : 0;
   __m256i m[NC];
   for (int c = 0; c < NC; ++c) m[c] = _mm256_load_si256(reinterpret_cast<const __m256i*>(mask + 8 * c));
-  __m256 a[NQ][NC];
-  for (int r = 0; r < NQ; ++r)
-    for (int c = 0; c < NC; ++c) a[r][c] = _mm256_setzero_ps();
+  // One array, its loops unrolled where they are written: as GCC (12.2) left them, 8 or more
+  // accumulators were stored to the stack every key, as many stores as FMAs.
+  __m256 a[NQ * NC];
+#pragma GCC unroll 16
+  for (int i = 0; i < NQ * NC; ++i) a[i] = _mm256_setzero_ps();
   for (int64_t j = 0; j < p_stride; ++j) {
     __m256 vv[NC];
+#pragma GCC unroll 4
     for (int c = 0; c < NC; ++c) vv[c] = _mm256_maskload_ps(v + j * v_stride + 8 * c, m[c]);
+#pragma GCC unroll 8
     for (int r = 0; r < NQ; ++r) {
       const __m256 pr = _mm256_set1_ps(p[r * p_stride + j]);
-      for (int c = 0; c < NC; ++c) a[r][c] = _mm256_fmadd_ps(pr, vv[c], a[r][c]);
+#pragma GCC unroll 4
+      for (int c = 0; c < NC; ++c) a[r * NC + c] = _mm256_fmadd_ps(pr, vv[c], a[r * NC + c]);
     }
   }
-  for (int r = 0; r < NQ; ++r)
-    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(acc + r * 16 + 8 * c, a[r][c]);
+#pragma GCC unroll 16
+  for (int i = 0; i < NQ * NC; ++i) _mm256_storeu_ps(acc + i / NC * 16 + i % NC * 8, a[i]);
 }
 
 using ValueFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*);
@@ -170,29 +179,48 @@ AVX512 inline __m512 Sum8x16(const __m512* x) {
                        _mm512_shuffle_f32x4(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// scores[i, j] = q_i . k_j for NQ <= 8 queries and nk <= 4 keys (two pairs; a missing key reads
-// the last one again and its score is dropped).
-template <int NQ>
-AVX512 void ScoreTile(const float* q, const float* k, int64_t key_stride, int64_t h, int64_t nk, __m256i tail,
-                      float* scores, int64_t score_stride) {
+// A score tile's 4 keys as two pairs, 8 values of key j in the low half of a 16-lane register and
+// the same 8 of key j + 1 in the high half. SplitKeys joins two halves loaded from the chunk's keys
+// (a missing key reads the last one again and its score is dropped); PairedKeys loads pairs that
+// PairKeys laid out so, one load where SplitKeys spent two and a shuffle, which competed with the
+// FMAs for their port. Both hold the same values, so a score is the same sum either way.
+struct SplitKeys {
+  const float* key[4];
+  SplitKeys(const float* k, int64_t key_stride, int64_t nk) {
+    for (int j = 0; j < 4; ++j) key[j] = k + std::min<int64_t>(j, nk - 1) * key_stride;
+  }
+  AVX512 __m512 Pair(int p, int64_t c) const {
+    return KeyPair(_mm256_loadu_ps(key[2 * p] + c), _mm256_loadu_ps(key[2 * p + 1] + c));
+  }
+  AVX512 __m512 Tail(int p, int64_t c, __m256i tail) const {  // masked loads read zeros past a head's end
+    return KeyPair(_mm256_maskload_ps(key[2 * p] + c, tail), _mm256_maskload_ps(key[2 * p + 1] + c, tail));
+  }
+};
+
+struct PairedKeys {
+  const float* pair[2];
+  AVX512 __m512 Pair(int p, int64_t c) const { return _mm512_loadu_ps(pair[p] + 2 * c); }
+  AVX512 __m512 Tail(int p, int64_t c, __m256i) const { return Pair(p, c); }  // zeros past the head's end
+};
+
+// scores[i, j] = q_i . k_j for NQ <= 8 queries and nk <= 4 keys.
+template <int NQ, typename Keys>
+AVX512 void ScoreTile(const float* q, const Keys& k, int64_t h, int64_t nk, __m256i tail, float* scores,
+                      int64_t score_stride) {
   constexpr int kGroups = (NQ + 3) / 4;  // of 4 queries: 8 registers, 16 scores
   __m512 acc[4 * kGroups][2];
   for (int i = 0; i < 4 * kGroups; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-  const float* key[4];
-  for (int j = 0; j < 4; ++j) key[j] = k + std::min<int64_t>(j, nk - 1) * key_stride;
   int64_t c = 0;
   for (; c + 8 <= h; c += 8) {
-    const __m512 k01 = KeyPair(_mm256_loadu_ps(key[0] + c), _mm256_loadu_ps(key[1] + c));
-    const __m512 k23 = KeyPair(_mm256_loadu_ps(key[2] + c), _mm256_loadu_ps(key[3] + c));
+    const __m512 k01 = k.Pair(0, c), k23 = k.Pair(1, c);
     for (int i = 0; i < NQ; ++i) {
       const __m512 qv = _mm512_broadcast_f32x8(_mm256_loadu_ps(q + i * h + c));
       acc[i][0] = _mm512_fmadd_ps(qv, k01, acc[i][0]);
       acc[i][1] = _mm512_fmadd_ps(qv, k23, acc[i][1]);
     }
   }
-  if (c < h) {  // masked loads read zeros past the end of a head
-    const __m512 k01 = KeyPair(_mm256_maskload_ps(key[0] + c, tail), _mm256_maskload_ps(key[1] + c, tail));
-    const __m512 k23 = KeyPair(_mm256_maskload_ps(key[2] + c, tail), _mm256_maskload_ps(key[3] + c, tail));
+  if (c < h) {
+    const __m512 k01 = k.Tail(0, c, tail), k23 = k.Tail(1, c, tail);
     for (int i = 0; i < NQ; ++i) {
       const __m512 qv = _mm512_broadcast_f32x8(_mm256_maskload_ps(q + i * h + c, tail));
       acc[i][0] = _mm512_fmadd_ps(qv, k01, acc[i][0]);
@@ -213,10 +241,34 @@ AVX512 void ScoreTile(const float* q, const float* k, int64_t key_stride, int64_
   }
 }
 
-using WideScoreFn = void (*)(const float*, const float*, int64_t, int64_t, int64_t, __m256i, float*, int64_t);
+// A chunk's keys [count, K, H] (the cache's layout) as ScoreTile reads them: for each kv head, its
+// keys in pairs, each pair 8 values of key j in the low half of a 16-lane register and the same
+// 8 of key j + 1 in the high half, a head's blocks of 8 one after another (the last padded with
+// zeros, as masked loads read them), an odd last key paired with itself. One pass over the chunk
+// in the cache's order; ScoreTile then loads a pair where it loaded two halves and joined them,
+// a shuffle each that competed with the FMAs for their port.
+AVX512 void PairKeys(const float* k, int64_t count, int64_t kv, int64_t h, float* pairs) {
+  const int64_t blocks = (h + 7) / 8, pair_stride = 16 * blocks, head_stride = (count + 1) / 2 * pair_stride;
+  for (int64_t j = 0; j < count; ++j)
+    for (int64_t kh = 0; kh < kv; ++kh) {
+      const float* key = k + (j * kv + kh) * h;
+      float* pair = pairs + kh * head_stride + j / 2 * pair_stride;
+      for (int64_t c = 0, block = 0; c < h; c += 8, ++block) {
+        const __mmask8 in = static_cast<__mmask8>((1u << std::min<int64_t>(8, h - c)) - 1);
+        const __m256 part = _mm256_maskz_loadu_ps(in, key + c);
+        _mm256_storeu_ps(pair + 16 * block + 8 * (j % 2), part);
+        if (j % 2 == 0 && j + 1 == count) _mm256_storeu_ps(pair + 16 * block + 8, part);
+      }
+    }
+}
+
+template <typename Keys>
+using WideScoreFn = void (*)(const float*, const Keys&, int64_t, int64_t, __m256i, float*, int64_t);
 constexpr int kScoreQueries = 8, kScoreKeys = 4;  // a score tile's most queries and keys
-constexpr WideScoreFn kScoreTiles[kScoreQueries] = {ScoreTile<1>, ScoreTile<2>, ScoreTile<3>, ScoreTile<4>,
-                                                    ScoreTile<5>, ScoreTile<6>, ScoreTile<7>, ScoreTile<8>};
+template <typename Keys>
+constexpr WideScoreFn<Keys> kScoreTiles[kScoreQueries] = {
+    ScoreTile<1, Keys>, ScoreTile<2, Keys>, ScoreTile<3, Keys>, ScoreTile<4, Keys>,
+    ScoreTile<5, Keys>, ScoreTile<6, Keys>, ScoreTile<7, Keys>, ScoreTile<8, Keys>};
 
 // acc[r, e] = sum_j p[r, j] v_j[e] for NQ query rows of p and `lanes` <= 16 * NC values of each v_j.
 template <int NQ, int NC>
@@ -224,19 +276,22 @@ AVX512 void ValueTile(const float* p, int64_t p_stride, const float* v, int64_t 
                       float* acc) {
   __mmask16 m[NC];
   for (int c = 0; c < NC; ++c) m[c] = static_cast<__mmask16>((1u << std::clamp<int64_t>(lanes - 16 * c, 0, 16)) - 1);
-  __m512 a[NQ][NC];
-  for (int r = 0; r < NQ; ++r)
-    for (int c = 0; c < NC; ++c) a[r][c] = _mm512_setzero_ps();
+  __m512 a[NQ * NC];  // one array, unrolled as AVX2's ValueTile says why
+#pragma GCC unroll 16
+  for (int i = 0; i < NQ * NC; ++i) a[i] = _mm512_setzero_ps();
   for (int64_t j = 0; j < p_stride; ++j) {
     __m512 vv[NC];
+#pragma GCC unroll 4
     for (int c = 0; c < NC; ++c) vv[c] = _mm512_maskz_loadu_ps(m[c], v + j * v_stride + 16 * c);
+#pragma GCC unroll 8
     for (int r = 0; r < NQ; ++r) {
       const __m512 pr = _mm512_set1_ps(p[r * p_stride + j]);
-      for (int c = 0; c < NC; ++c) a[r][c] = _mm512_fmadd_ps(pr, vv[c], a[r][c]);
+#pragma GCC unroll 4
+      for (int c = 0; c < NC; ++c) a[r * NC + c] = _mm512_fmadd_ps(pr, vv[c], a[r * NC + c]);
     }
   }
-  for (int r = 0; r < NQ; ++r)
-    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + r * 64 + 16 * c, a[r][c]);
+#pragma GCC unroll 16
+  for (int i = 0; i < NQ * NC; ++i) _mm512_storeu_ps(acc + i / NC * 64 + i % NC * 16, a[i]);
 }
 
 // Exp's arithmetic, lane for lane, 16 lanes at a time.
@@ -346,7 +401,7 @@ constexpr int64_t kChunkKeys = 128;  // a multiple of 8: a chunk's lanes are pos
 AVX2 void Chunk(const Shapes& n, const float* q, const float* k, const float* v, const int32_t* pos,
                 const int32_t* from, const bool* valid, float scale, float* partial, int64_t chunks, int64_t b,
                 int64_t row, int64_t t0, int64_t t1, int64_t chunk) {
-  thread_local std::vector<float> qs, scores, kbuf, vbuf;  // a thread's scratch, kept between calls
+  thread_local std::vector<float> qs, scores, kbuf, vbuf, pairs;  // a thread's scratch, kept between calls
   const int64_t h = n.h, g = n.g, key_stride = n.kv * h, nq = (t1 - t0) * g, stride = h + 2;
   int64_t keys = 0;  // keys [0, keys) are all the block's queries can see
   for (int64_t t = t0; t < t1; ++t) keys = std::max<int64_t>(keys, int64_t{pos[b * n.t + t]} + 1);
@@ -359,10 +414,20 @@ AVX2 void Chunk(const Shapes& n, const float* q, const float* k, const float* v,
   // The chunk's keys and values are contiguous in the cache ([count, K, H] of its row `row`): one
   // sequential copy of each streams them from memory at full speed, where the per-head passes
   // below, 1 of every K heads' bytes at a time, left the prefetchers behind.
+  // With AVX-512 and a score tile of queries or more (a prefill's chunk, a wide verification) the
+  // keys go straight into ScoreTile's pairs (PairKeys), in the same one pass; for fewer queries
+  // the pairing cost more than it saved.
+  const bool paired = wide && nq >= avx512::kScoreQueries;
+  const int64_t pair_stride = 16 * ((h + 7) / 8), head_pairs = (count + 1) / 2 * pair_stride;
   if (count > 0) {
-    kbuf.resize(count * key_stride);
+    if (paired) {
+      pairs.resize(n.kv * head_pairs);
+      avx512::PairKeys(k + (row * n.s + c0) * key_stride, count, n.kv, h, pairs.data());
+    } else {
+      kbuf.resize(count * key_stride);
+      std::copy_n(k + (row * n.s + c0) * key_stride, count * key_stride, kbuf.data());
+    }
     vbuf.resize(count * key_stride);
-    std::copy_n(k + (row * n.s + c0) * key_stride, count * key_stride, kbuf.data());
     std::copy_n(v + (row * n.s + c0) * key_stride, count * key_stride, vbuf.data());
   }
   for (int64_t kh = 0; kh < n.kv; ++kh) {
@@ -379,13 +444,26 @@ AVX2 void Chunk(const Shapes& n, const float* q, const float* k, const float* v,
       std::copy_n(q + ((b * n.t + t) * n.kv + kh) * g * h, g * h, qs.data() + (t - t0) * g * h);
     scores.resize(nq * count);
     const float* kb = kbuf.data() + kh * h;
-    if (wide) {
+    if (paired) {
+      const float* head = pairs.data() + kh * head_pairs;
       for (int64_t j = 0; j < count; j += avx512::kScoreKeys) {
         const int64_t nk = std::min<int64_t>(avx512::kScoreKeys, count - j);
+        const float* pair01 = head + j / 2 * pair_stride;
+        const avx512::PairedKeys keys{{pair01, nk > 2 ? pair01 + pair_stride : pair01}};  // nk <= 2: dropped
         for (int64_t i = 0; i < nq; i += avx512::kScoreQueries) {
           const int64_t ni = std::min<int64_t>(avx512::kScoreQueries, nq - i);
-          avx512::kScoreTiles[ni - 1](qs.data() + i * h, kb + j * key_stride, key_stride, h, nk, tail,
-                                      scores.data() + i * count + j, count);
+          avx512::kScoreTiles<avx512::PairedKeys>[ni - 1](qs.data() + i * h, keys, h, nk, tail,
+                                                          scores.data() + i * count + j, count);
+        }
+      }
+    } else if (wide) {
+      for (int64_t j = 0; j < count; j += avx512::kScoreKeys) {
+        const int64_t nk = std::min<int64_t>(avx512::kScoreKeys, count - j);
+        const avx512::SplitKeys keys(kb + j * key_stride, key_stride, nk);
+        for (int64_t i = 0; i < nq; i += avx512::kScoreQueries) {
+          const int64_t ni = std::min<int64_t>(avx512::kScoreQueries, nq - i);
+          avx512::kScoreTiles<avx512::SplitKeys>[ni - 1](qs.data() + i * h, keys, h, nk, tail,
+                                                         scores.data() + i * count + j, count);
         }
       }
     } else {
@@ -456,27 +534,39 @@ ffi::Error Attention(ffi::ThreadPool pool, Queries q, Cache k, Cache v, ffi::Buf
       return ffi::Error::InvalidArgument("jspec_attention: a row outside the cache");
   const int64_t queries = n.b * n.t * n.kv * n.g;
   if (queries == 0 || n.h == 0) return ffi::Error::Success();
-  // Items are (row, block of 16 query positions, chunk of keys), so even one query over a long
+  // Items are (row, block of query positions, chunk of keys), so even one query over a long
   // cache keeps both cores busy, each reading its own chunk. Chunks stop at the furthest key any
   // query sees: a prefill's early chunks or a short row in a long cache would otherwise pay, in
-  // partial results to clear and combine, for every chunk of the cache's length.
+  // partial results to write and combine, for every chunk of the cache's length.
   const int32_t* ps = pos.typed_data();
   const int64_t seen = std::min<int64_t>(n.s, int64_t{*std::max_element(ps, ps + n.b * n.t)} + 1);
-  const int64_t t_blocks = (n.t + kBlockQueries - 1) / kBlockQueries;
   const int64_t chunks = std::max<int64_t>(1, (seen + kChunkKeys - 1) / kChunkKeys);
-  std::vector<float> partial(queries * chunks * (n.h + 2));
+  // Each item copies its chunk's keys and values (Chunk): a prefill's chunk of 128 positions in
+  // blocks of 16 copied each chunk 8 times, a tenth of the kernel's time. A query's result is the
+  // same in any block (its scores, softmax and sums are its own), so blocks grow while the call
+  // keeps kItems items for the two cores.
+  int64_t block = kBlockQueries;
+  while (block < kMostBlockQueries && block < n.t && n.b * ((n.t + 2 * block - 1) / (2 * block)) * chunks >= kItems)
+    block *= 2;
+  const int64_t t_blocks = (n.t + block - 1) / block;
+  // Not cleared: Chunk writes each (query, chunk)'s top, and Combine reads no more of a chunk whose
+  // top is -inf.
+  std::unique_ptr<float[]> partial(new float[queries * chunks * (n.h + 2)]);
   const float *qs = q.typed_data(), *ks = k.typed_data(), *vs = v.typed_data();
   const int32_t* fs = from.typed_data();
   const bool* valids = valid.typed_data();
-  float* partials = partial.data();
+  float* partials = partial.get();
   ParallelFor(pool, n.b * t_blocks * chunks, [=](int64_t item) {
     const int64_t chunk = item % chunks, tb = (item / chunks) % t_blocks, b = item / (chunks * t_blocks);
-    const int64_t t0 = tb * kBlockQueries;
-    Chunk(n, qs, ks, vs, ps, fs, valids, scale, partials, chunks, b, cache_rows[b], t0,
-          std::min(n.t, t0 + kBlockQueries), chunk);
+    const int64_t t0 = tb * block;
+    Chunk(n, qs, ks, vs, ps, fs, valids, scale, partials, chunks, b, cache_rows[b], t0, std::min(n.t, t0 + block),
+          chunk);
   });
   float *o = out->typed_data(), *l = lse->typed_data();
-  for (int64_t i = 0; i < queries; ++i) Combine(partials + i * chunks * (n.h + 2), chunks, n.h, o + i * n.h, l + i);
+  ParallelFor(pool, (queries + kCombineQueries - 1) / kCombineQueries, [=](int64_t item) {
+    for (int64_t i = item * kCombineQueries; i < std::min(queries, (item + 1) * kCombineQueries); ++i)
+      Combine(partials + i * chunks * (n.h + 2), chunks, n.h, o + i * n.h, l + i);
+  });
   return ffi::Error::Success();
 }
 

@@ -74,7 +74,7 @@ def beam_layer(cfg: ModelConfig, lp, h, cos, sin, pk, pv, length, bk, bv, j):
     bv = bv.at[:, :, j].set(v.astype(bv.dtype))
     prefix = [x[:, :, None] for x in _prefix(q, pk, pv, length)]
     out = _attend(q[:, :, None], prefix, bk, bv, (jnp.arange(bk.shape[2]) <= j)[None])[:, :, 0]
-    h = h + decoder.linear(out.reshape(b, w, -1), lp["wo"])
+    h = h + decoder.linear(out.reshape(b, w, -1), lp["wo"], split_depth=True)
     if "w_down" in lp:
         h = decoder.mlp_block(cfg, lp, h)
     return h, bk, bv
@@ -191,7 +191,7 @@ def tree_forward(params, cfg: ModelConfig, last, tokens, length, cache: decoder.
         # The prefix once per token ([last] is every beam's slot 0), then spread over the beams.
         prefix = [spread(x, w) for x in _prefix(q, pk, pv, length)]
         out = gather(_attend(spread(q, w), prefix, spread(nk, w), spread(nv, w), causal))
-        h = decoder.mlp_block(cfg, lp, h + decoder.linear(out.reshape(b, 1 + w * k, -1), lp["wo"]))
+        h = decoder.mlp_block(cfg, lp, h + decoder.linear(out.reshape(b, 1 + w * k, -1), lp["wo"], split_depth=True))
         kv.append((nk, nv))
     return h, kv, states
 

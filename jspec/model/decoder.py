@@ -148,7 +148,7 @@ def attend(lp: Mapping[str, jax.Array], h: jax.Array, q: jax.Array, k_cache: jax
     cache that already holds their own keys and values (in its rows `rows`: KVCache.rows) -> h
     [B, T, D]. `siblings` lets the block hold alternatives (block_attention)."""
     out = (block_attention if siblings else attention)(q, k_cache, v_cache, positions, valid, rows=rows)
-    return h + linear(out.reshape(*out.shape[:2], -1), lp["wo"])
+    return h + linear(out.reshape(*out.shape[:2], -1), lp["wo"], split_depth=True)
 
 
 def attention_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array,
@@ -163,7 +163,7 @@ def attention_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array,
     if positions is None:
         out = prefill_attention(q, k, v)
         k_cache, v_cache = write_kv(k_cache, v_cache, k, v, jnp.zeros(k_cache.shape[:1], jnp.int32))
-        return h + linear(out.reshape(*out.shape[:2], -1), lp["wo"]), k_cache, v_cache
+        return h + linear(out.reshape(*out.shape[:2], -1), lp["wo"], split_depth=True), k_cache, v_cache
     k_cache, v_cache = write_kv(k_cache, v_cache, k, v, positions[:, 0], rows)
     return attend(lp, h, q, k_cache, v_cache, positions, valid, siblings, rows), k_cache, v_cache
 
@@ -174,7 +174,7 @@ def mlp_block(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array) -> ja
     gate_up = linear(x, lp["w_gate_up"])  # interleaved (jspec.model.layout.gate_up): local on every shard
     gate_up = gate_up.reshape(*gate_up.shape[:-1], -1, 2)
     gate, up = gate_up[..., 0], gate_up[..., 1]
-    return h + linear(jax.nn.silu(gate) * up, lp["w_down"])
+    return h + linear(jax.nn.silu(gate) * up, lp["w_down"], split_depth=True)
 
 
 def decoder_layer(cfg: ModelConfig, lp: Mapping[str, jax.Array], h: jax.Array, positions: jax.Array | None,
@@ -284,11 +284,13 @@ def _sublayer(skip_rows: jax.Array, fn, h: jax.Array, *rest) -> jax.Array:
     return jax.lax.cond(jnp.all(skip_rows), lambda h, *rest: h, run, h, *rest)
 
 
-def linear(x: jax.Array, w, dtype=None) -> jax.Array:
+def linear(x: jax.Array, w, dtype=None, split_depth: bool = False) -> jax.Array:
     """x [..., D] times w [N, D] transposed -> [..., N], accumulated in float32 and returned in
     `dtype` (default: x's). Every weight matrix, the LM head included, is read this way; w is a
     float array or an `Int8` (jspec.model.weights), whose values are multiplied as stored and
-    whose scale multiplies each output after its sum.
+    whose scale multiplies each output after its sum. `split_depth` says the mesh splits w's D
+    rather than its N (a projection out: jspec.model.sharding.RULES), for the one product that
+    splits itself (the GPU's int8 kernel); XLA's products follow the weight's own sharding.
 
     A bfloat16 or int8 weight times float32 rows is widened as it is read. On a CPU a few rows (a
     decode step, a verification, a step of a batch) take a faster path than XLA's matmul, which
@@ -309,9 +311,9 @@ def linear(x: jax.Array, w, dtype=None) -> jax.Array:
     if (2 <= rows or values.dtype != x.dtype) and rows <= SMALL_ROWS and numerics.platform() == "cpu":
         # Rows major, so the result needs no transpose: faster than [N, rows] transposed after.
         out = jnp.sum(values[None].astype(jnp.float32) * flat[:, None].astype(jnp.float32), axis=-1)
-    elif weights.is_int8(w) and kernels.takes_gpu_int8(flat, values):
+    elif weights.is_int8(w) and kernels.takes_gpu_int8(flat, values, split_depth):
         # jax's CUDA lowering would convert the values before the dot, into a widened copy.
-        out = gpu_int8.matmul(flat, values)
+        out = gpu_int8.matmul(flat, values, split_depth)
     elif weights.is_int8(w):
         # The int8 values go to the dot as they are: a TPU multiplies mixed operands so.
         out = jax.lax.dot_general(flat, values, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import in_int8
+from conftest import in_int8, on_mesh
 from support.attention import random
 from support.spec import repetitive_prompts
 
@@ -19,7 +19,7 @@ from jspec.api import Model
 from jspec.model import kernels, numerics, sharding
 from jspec.model.kernels import gpu_attention, gpu_int8
 
-interpreted = functools.partial(gpu_int8.matmul, interpret=True)
+on_device = gpu_int8.on_device
 
 
 def int8_values(n, d, seed):
@@ -33,14 +33,14 @@ def test_equals_the_exact_product(rows, n, d, dtype):
     """Rows in float32 or bfloat16 times int8 values (widened exactly), summed in float32: the
     exact product to float32's rounding of a sum of d terms, every row (the padded ones dropped)."""
     x, values = random((rows, d), rows).astype(dtype), int8_values(n, d, d)
-    got = interpreted(x, values)
+    got = on_device(x, values, interpret=True)
     want = jnp.einsum("rd,nd->rn", x.astype(jnp.float32), values.astype(jnp.float32), precision="highest")
     assert got.shape == (rows, n) and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(want))))
 
 
-def test_takes_whole_blocks_on_one_gpu():
-    """Output channels and depth in whole blocks of 16 or more, a GPU program, one device."""
+def test_takes_whole_blocks_on_each_gpu():
+    """Output channels and depth in whole blocks of 16 or more on each device, a GPU program."""
     x = jnp.zeros((3, 64), jnp.float32)
     with numerics.tracing(numerics.Numerics(), "cuda"):
         assert kernels.takes_gpu_int8(x, int8_values(48, 64, 0))
@@ -48,8 +48,24 @@ def test_takes_whole_blocks_on_one_gpu():
         assert not kernels.takes_gpu_int8(jnp.zeros((3, 24), jnp.float32), int8_values(48, 24, 0))  # depth
     with numerics.tracing(numerics.Numerics(), "tpu"):
         assert not kernels.takes_gpu_int8(x, int8_values(48, 64, 0))
+    # model=2: a projection in splits its channels (48: 24 a device), a projection out its depth.
     with numerics.tracing(numerics.Numerics(), "cuda", sharding.make_mesh("data=2,model=2")):
+        assert kernels.takes_gpu_int8(x, int8_values(64, 64, 0))
         assert not kernels.takes_gpu_int8(x, int8_values(48, 64, 0))
+        assert kernels.takes_gpu_int8(x, int8_values(48, 64, 0), split_depth=True)
+
+
+@pytest.mark.parametrize("split_depth", [False, True])
+def test_on_a_mesh_each_device_multiplies_its_part(split_depth):
+    """On a data=2, model=2 mesh (4 of this CPU's 8 devices) each device multiplies its rows by its
+    part of the weight (its output channels, or its depth with the parts summed): the product of
+    one device to float32's rounding."""
+    x, values = random((6, 128), 0), int8_values(64, 128, 1)
+    want = jnp.einsum("rd,nd->rn", x, values.astype(jnp.float32), precision="highest")
+    mesh = sharding.make_mesh("data=2,model=2")
+    with numerics.tracing(numerics.Numerics(), "cuda", mesh):
+        got = jax.jit(functools.partial(gpu_int8.matmul, split_depth=split_depth, interpret=True))(x, values)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(want))))
 
 
 def test_decodes_the_cpus_int8_tokens(tiny_llama, monkeypatch):
@@ -59,11 +75,11 @@ def test_decodes_the_cpus_int8_tokens(tiny_llama, monkeypatch):
     prompts = repetitive_prompts((9, 30, 14), model.cfg.vocab_size, seed=4)
     calls = []
 
-    def spy(x, values):
+    def spy(x, values, interpret=False):
         calls.append(values.shape)
-        return interpreted(x, values)
+        return on_device(x, values, interpret=True)
 
-    monkeypatch.setattr(gpu_int8, "matmul", spy)
+    monkeypatch.setattr(gpu_int8, "on_device", spy)
     monkeypatch.setattr(gpu_attention, "attention", functools.partial(gpu_attention.attention, interpret=True))
     jax.clear_caches()  # no trace of a kernel uninterpreted is reused
     for method, options in (("ar", {}), ("ngram", {"datastore": "off", "max_draft": 3})):
@@ -74,3 +90,31 @@ def test_decodes_the_cpus_int8_tokens(tiny_llama, monkeypatch):
         assert [r["token_ids"] for r in got] == [r["token_ids"] for r in want], method
     weights = {x.shape for x in jax.tree.leaves(model.params) if x.dtype == jnp.int8}
     assert set(calls) == weights  # every matrix, the LM head included
+
+
+def test_decodes_the_unsharded_int8_tokens_on_a_mesh(tiny_llama, monkeypatch):
+    """On a data=2, model=2 mesh, the platform taken for cuda and the kernels interpreted, each
+    device multiplies its part of every int8 matrix (half its output channels, or half the depth
+    of `wo` and `w_down`), and `ngram` at batch 4 emits the unsharded CPU's int8 tokens."""
+    model = in_int8(Model(tiny_llama.cfg, tiny_llama.params, name="tiny"))
+    prompts = repetitive_prompts((9, 30, 14, 20), model.cfg.vocab_size, seed=4)
+    options = {"datastore": "off", "max_draft": 3}
+    want = model.generate(prompts, method="ngram", batch_size=4, batching="static", max_new_tokens=10, **options)
+    seen = []
+
+    def spy(x, values, interpret=False):
+        seen.append(values.shape)
+        return on_device(x, values, interpret=True)
+
+    monkeypatch.setattr(gpu_int8, "on_device", spy)
+    monkeypatch.setattr(gpu_attention, "attention", functools.partial(gpu_attention.attention, interpret=True))
+    monkeypatch.setattr(Model, "platform", property(lambda self: "cuda"))
+    jax.clear_caches()
+    got = on_mesh(model, "data=2,model=2").generate(prompts, method="ngram", batch_size=4, batching="static",
+                                                     max_new_tokens=10, **options)
+    jax.clear_caches()
+    assert [r["token_ids"] for r in got] == [r["token_ids"] for r in want]
+    # Each int8 matrix's part on a device: halved along the axis jspec's sharding rules split.
+    parts = {tuple(n // 2 if axis == "model" else n for n, axis in zip(x.shape, sharding.rule(path, 2)))
+             for path, x in jax.tree_util.tree_flatten_with_path(model.params)[0] if x.dtype == jnp.int8}
+    assert set(seen) == parts, seen

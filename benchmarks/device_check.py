@@ -187,6 +187,27 @@ def big_part(check: Check) -> None:
         int8_runs(check, cfg, stored.get("int8"), name)
 
 
+def switched(check: Check, switch: str, what: str, cfg: ModelConfig, params, name: str, prompts: list, batch: int):
+    """`ar` over `prompts` with the kernel whose flag `switch` is (of jspec.model.kernels) on, then
+    off, each on a Model of its own (its programs compiled under the switch): yields (kernel on,
+    model, records, seconds, compile seconds, rows identical to the first run's) for each run the
+    budget lets start."""
+    first = None
+    for kernel in (True, False):
+        if not check.time_left(f"{what}, {'on' if kernel else 'off'}"):
+            continue
+        setattr(kernels, switch, kernel)
+        jax.clear_caches()
+        try:
+            model = Model(cfg, params, name=name)
+            records, seconds, compile_s = steady(model, prompts, batch, check.args.new_tokens)
+        finally:
+            setattr(kernels, switch, True)
+        tokens = [r["token_ids"] for r in records]
+        first = first or tokens
+        yield kernel, model, records, seconds, compile_s, sum(a == b for a, b in zip(tokens, first))
+
+
 def attention_runs(check: Check, cfg: ModelConfig, params, name: str) -> None:
     """`ar` over long prompts with the GPU's attention kernel, which reads each row's filled part
     of the cache, and without it (XLA's einsums over the whole cache), side by side: tokens/s and
@@ -195,55 +216,33 @@ def attention_runs(check: Check, cfg: ModelConfig, params, name: str) -> None:
     args, batch = check.args, ATTENTION_BATCH
     rng = np.random.default_rng(batch)
     prompts = [{"token_ids": rng.integers(0, cfg.vocab_size, args.long_prompt_tokens).tolist()} for _ in range(batch)]
-    first = None
-    for kernel in (True, False):
-        if not check.time_left(f"`ar` on the {name} model over {args.long_prompt_tokens}-token prompts, batch {batch}, "
-                               f"attention kernel {'on' if kernel else 'off'}"):
-            continue
-        kernels.gpu_enabled = kernel
-        jax.clear_caches()
-        try:
-            model = Model(cfg, params, name=name)  # programs are a Model's own: each compiled under its switch
-            records, seconds, compile_s = steady(model, prompts, batch, args.new_tokens)
-        finally:
-            kernels.gpu_enabled = True
-        tokens = [r["token_ids"] for r in records]
-        first = first or tokens
+    what = f"`ar` on the {name} model over {args.long_prompt_tokens}-token prompts, batch {batch}, attention kernel"
+    for kernel, model, records, seconds, compile_s, identical in switched(check, "gpu_enabled", what, cfg, params,
+                                                                          name, prompts, batch):
         check.add({"part": "attention", "model": name, **model.policy(), "batch": batch,
                    "prompt_tokens": args.long_prompt_tokens, "kernel": kernel,
                    "tokens_per_s": round(batch * args.new_tokens / seconds, 1),
                    "step_ms": round(1e3 * seconds / args.new_tokens, 2), "compile_s": round(compile_s, 1),
-                   "identical_rows": sum(a == b for a, b in zip(tokens, first)), "rows": batch,
-                   "new_tokens": sum(r["new_tokens"] for r in records)})
+                   "identical_rows": identical, "rows": batch, "new_tokens": sum(r["new_tokens"] for r in records)})
 
 
 def int8_runs(check: Check, cfg: ModelConfig, params, name: str) -> None:
     """`ar` in int8 weights at batch 1, default numerics, with the GPU's int8 product (the int8
     values widened tile by tile in registers) and with XLA's (the values converted first), side by
     side: tokens/s, the optimized program's wider weight copies, whether the tokens agree."""
-    args, first = check.args, None
-    rng = np.random.default_rng(1)
-    prompts = [{"token_ids": rng.integers(0, cfg.vocab_size, args.prompt_tokens).tolist()}]
-    for kernel in (True, False):
-        if params is None or not check.time_left(f"`ar` on the {name} model, int8 weights, batch 1, "
-                                                 f"int8 kernel {'on' if kernel else 'off'}"):
-            continue
-        kernels.gpu_int8_enabled = kernel
-        jax.clear_caches()
-        try:
-            model = Model(cfg, params, name=name)  # programs are a Model's own: each compiled under its switch
-            records, seconds, compile_s = steady(model, prompts, 1, args.new_tokens)
-        finally:
-            kernels.gpu_int8_enabled = True
-        tokens = [r["token_ids"] for r in records]
-        first = first or tokens
+    if params is None:
+        return
+    args = check.args
+    prompts = [{"token_ids": np.random.default_rng(1).integers(0, cfg.vocab_size, args.prompt_tokens).tolist()}]
+    what = f"`ar` on the {name} model, int8 weights, batch 1, int8 kernel"
+    for kernel, model, records, seconds, compile_s, identical in switched(check, "gpu_int8_enabled", what, cfg,
+                                                                          params, name, prompts, 1):
         [compiled] = list(model.programs().values())[-1:]
         check.add({"part": "int8", "model": name, **model.policy(), "batch": 1, "kernel": kernel,
                    "tokens_per_s": round(args.new_tokens / seconds, 1),
                    "step_ms": round(1e3 * seconds / args.new_tokens, 2), "compile_s": round(compile_s, 1),
-                   "weight_copies": hlo.weight_copies(compiled, model.params),
-                   "identical_rows": sum(a == b for a, b in zip(tokens, first)), "rows": 1,
-                   "new_tokens": sum(r["new_tokens"] for r in records)})
+                   "weight_copies": hlo.weight_copies(compiled, model.params), "identical_rows": identical,
+                   "rows": 1, "new_tokens": sum(r["new_tokens"] for r in records)})
 
 
 def methods_model(args, folder: Path) -> tuple[Model, dict]:

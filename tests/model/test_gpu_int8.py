@@ -68,11 +68,11 @@ def test_on_a_mesh_each_device_multiplies_its_part(split_depth):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(want))))
 
 
-def test_decodes_the_cpus_int8_tokens(tiny_llama, monkeypatch):
-    """A whole generation in int8 with the GPU's kernels interpreted here (the int8 product and the
-    attention): `ar` and a speculative method at batch 3, the tokens of the CPU's int8 path."""
-    model = in_int8(Model(tiny_llama.cfg, tiny_llama.params, name="tiny"))
-    prompts = repetitive_prompts((9, 30, 14), model.cfg.vocab_size, seed=4)
+@pytest.fixture
+def interpreted(monkeypatch) -> list:
+    """The GPU's kernels (the int8 product and the attention) run in Pallas's interpreter for the
+    rest of the test; returns the list of the weight shapes each int8 product was called with (a
+    device's part on a mesh)."""
     calls = []
 
     def spy(x, values, interpret=False):
@@ -82,6 +82,15 @@ def test_decodes_the_cpus_int8_tokens(tiny_llama, monkeypatch):
     monkeypatch.setattr(gpu_int8, "on_device", spy)
     monkeypatch.setattr(gpu_attention, "attention", functools.partial(gpu_attention.attention, interpret=True))
     jax.clear_caches()  # no trace of a kernel uninterpreted is reused
+    yield calls
+    jax.clear_caches()
+
+
+def test_decodes_the_cpus_int8_tokens(tiny_llama, interpreted, monkeypatch):
+    """A whole generation in int8 with the GPU's kernels interpreted here (the int8 product and the
+    attention): `ar` and a speculative method at batch 3, the tokens of the CPU's int8 path."""
+    model = in_int8(Model(tiny_llama.cfg, tiny_llama.params, name="tiny"))
+    prompts = repetitive_prompts((9, 30, 14), model.cfg.vocab_size, seed=4)
     for method, options in (("ar", {}), ("ngram", {"datastore": "off", "max_draft": 3})):
         want = model.generate(prompts, method=method, batch_size=3, batching="static", max_new_tokens=10, **options)
         with monkeypatch.context() as m:
@@ -89,10 +98,10 @@ def test_decodes_the_cpus_int8_tokens(tiny_llama, monkeypatch):
             got = model.generate(prompts, method=method, batch_size=3, batching="static", max_new_tokens=10, **options)
         assert [r["token_ids"] for r in got] == [r["token_ids"] for r in want], method
     weights = {x.shape for x in jax.tree.leaves(model.params) if x.dtype == jnp.int8}
-    assert set(calls) == weights  # every matrix, the LM head included
+    assert set(interpreted) == weights  # every matrix, the LM head included
 
 
-def test_decodes_the_unsharded_int8_tokens_on_a_mesh(tiny_llama, monkeypatch):
+def test_decodes_the_unsharded_int8_tokens_on_a_mesh(tiny_llama, interpreted, monkeypatch):
     """On a data=2, model=2 mesh, the platform taken for cuda and the kernels interpreted, each
     device multiplies its part of every int8 matrix (half its output channels, or half the depth
     of `wo` and `w_down`), and `ngram` at batch 4 emits the unsharded CPU's int8 tokens."""
@@ -100,21 +109,12 @@ def test_decodes_the_unsharded_int8_tokens_on_a_mesh(tiny_llama, monkeypatch):
     prompts = repetitive_prompts((9, 30, 14, 20), model.cfg.vocab_size, seed=4)
     options = {"datastore": "off", "max_draft": 3}
     want = model.generate(prompts, method="ngram", batch_size=4, batching="static", max_new_tokens=10, **options)
-    seen = []
-
-    def spy(x, values, interpret=False):
-        seen.append(values.shape)
-        return on_device(x, values, interpret=True)
-
-    monkeypatch.setattr(gpu_int8, "on_device", spy)
-    monkeypatch.setattr(gpu_attention, "attention", functools.partial(gpu_attention.attention, interpret=True))
+    assert not interpreted  # the CPU's own path
     monkeypatch.setattr(Model, "platform", property(lambda self: "cuda"))
-    jax.clear_caches()
     got = on_mesh(model, "data=2,model=2").generate(prompts, method="ngram", batch_size=4, batching="static",
                                                      max_new_tokens=10, **options)
-    jax.clear_caches()
     assert [r["token_ids"] for r in got] == [r["token_ids"] for r in want]
     # Each int8 matrix's part on a device: halved along the axis jspec's sharding rules split.
     parts = {tuple(n // 2 if axis == "model" else n for n, axis in zip(x.shape, sharding.rule(path, 2)))
              for path, x in jax.tree_util.tree_flatten_with_path(model.params)[0] if x.dtype == jnp.int8}
-    assert set(seen) == parts, seen
+    assert set(interpreted) == parts, interpreted

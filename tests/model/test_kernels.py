@@ -294,6 +294,21 @@ def test_attention_query_gets_the_same_bits_in_any_call(kernel):
     np.testing.assert_array_equal(np.asarray(shorter), full)
 
 
+def test_attention_query_gets_the_same_bits_in_any_work_item(kernel):
+    """A prefill's chunk of 128 positions of 2 rows, 400 positions into a cache of 600, goes in
+    work items of up to 64 positions, its keys paired for the score tiles: each query's bits are
+    those it gets in a call of 16 positions (items of 16) and alone (its keys unpaired)."""
+    q, k, v, _, valid = attention_inputs(2, 128, 3, 3, 64, 600, seed=6)
+    q_pos = jnp.broadcast_to(400 + jnp.arange(128, dtype=jnp.int32), (2, 128))
+    call = jax.jit(kernels.attention)
+    whole = [np.asarray(x) for x in call(q, k, v, q_pos, valid, q_pos + 1)]
+    for start, width in ((0, 16), (48, 16), (5, 1), (127, 1)):
+        at = q_pos[:, start:start + width]
+        part = call(q[:, start:start + width], k, v, at, valid, at + 1)
+        for got, want in zip(part, whole):
+            np.testing.assert_array_equal(np.asarray(got), want[:, start:start + width])
+
+
 def test_attention_reads_the_cache_rows_it_is_given(kernel):
     """Queries of 2 rows over a cache of 4, reading its rows 3 and 1 (an admit's prompts prefilled
     into their slots): the bits of the same queries over those rows taken out; and through

@@ -244,9 +244,8 @@ AVX512 void ScoreTile(const float* q, const Keys& k, int64_t h, int64_t nk, __m2
 // A chunk's keys [count, K, H] (the cache's layout) as ScoreTile reads them: for each kv head, its
 // keys in pairs, each pair 8 values of key j in the low half of a 16-lane register and the same
 // 8 of key j + 1 in the high half, a head's blocks of 8 one after another (the last padded with
-// zeros, as masked loads read them), an odd last key paired with itself. One pass over the chunk
-// in the cache's order; ScoreTile then loads a pair where it loaded two halves and joined them,
-// a shuffle each that competed with the FMAs for their port.
+// zeros, as masked loads read them), an odd last key paired with itself: PairedKeys. One pass
+// over the chunk in the cache's order.
 AVX512 void PairKeys(const float* k, int64_t count, int64_t kv, int64_t h, float* pairs) {
   const int64_t blocks = (h + 7) / 8, pair_stride = 16 * blocks, head_stride = (count + 1) / 2 * pair_stride;
   for (int64_t j = 0; j < count; ++j)

@@ -204,12 +204,8 @@ class Model:
             costs = self.round_costs(requests, rows, max_new, sampling, plan, logprobs, length)
         queue = collections.deque(shortest_first(requests))
         held: list[Request | None] = [queue.popleft() for _ in range(min(rows, len(queue)))]
-        tokens, lens = self.prompt_rows(held, rows, length)
+        s, began = self._fill(run, held, rows, length, self._cache(rows, length), eos, seed)
         held += [None] * (rows - len(held))
-        key = jax.random.fold_in(jax.random.key(seed), held[0].index)
-        active = np.asarray([r is not None for r in held])
-        s, began = run(slots.fill, rows, length, self._cache(rows, length), self._rows(tokens), self._rows(lens),
-                       self._rows(active), eos, key)
         began = [began] * rows
         # On a CPU the next prompts are prefilled ahead, `stage` at a time, and handed to slots
         stage, stage_state, staged, stage_began = stage_rows(self.platform, rows), None, [], 0.0
@@ -253,12 +249,17 @@ class Model:
         """The queue's next n prompts prefilled ahead by fill into a cache of n rows (the `last`
         stage's, donated): (their LoopState, [(row, request)], the clock when the fill began)."""
         group = [queue.popleft() for _ in range(n)]
-        tokens, lens = self.prompt_rows(group, n, length)
         cache = self._cache(n, length) if last is None else last.cache
-        key = jax.random.fold_in(jax.random.key(seed), group[0].index)
-        state, began = run(slots.fill, n, length, cache, self._rows(tokens), self._rows(lens),
-                           self._rows(np.ones(n, bool)), eos, key)
+        state, began = self._fill(run, group, n, length, cache, eos, seed)
         return state, list(enumerate(group)), began
+
+    def _fill(self, run, group: Sequence[Request], rows: int, length: int, cache: KVCache, eos, seed):
+        """slots.fill of `group` (at most `rows` requests; the rows past them start done) into
+        `cache`: (its LoopState, the clock when the fill began)."""
+        tokens, lens = self.prompt_rows(group, rows, length)
+        key = jax.random.fold_in(jax.random.key(seed), group[0].index)
+        active = np.arange(rows) < len(group)
+        return run(slots.fill, rows, length, cache, self._rows(tokens), self._rows(lens), self._rows(active), eos, key)
 
     def _run_program(self, program, rows, length, *args, plan, max_new, sampling, logprobs):
         """program(params, dparams, *args), compiled if need be: its result, and the clock when the

@@ -269,6 +269,20 @@ constexpr WideScoreFn<Keys> kScoreTiles[kScoreQueries] = {
     ScoreTile<1, Keys>, ScoreTile<2, Keys>, ScoreTile<3, Keys>, ScoreTile<4, Keys>,
     ScoreTile<5, Keys>, ScoreTile<6, Keys>, ScoreTile<7, Keys>, ScoreTile<8, Keys>};
 
+// scores [nq, count] (rows `count` apart) of the queries qs [nq, h] over a chunk's keys, in tiles
+// of kScoreQueries x kScoreKeys; keys_at(j, nk) gives the tile's Keys for keys j .. j + nk - 1.
+template <typename Keys, typename KeysAt>
+AVX512 void Scores(const float* qs, int64_t nq, int64_t count, int64_t h, __m256i tail, float* scores,
+                   KeysAt keys_at) {
+  for (int64_t j = 0; j < count; j += kScoreKeys) {
+    const int64_t nk = std::min<int64_t>(kScoreKeys, count - j);
+    const Keys keys = keys_at(j, nk);
+    for (int64_t i = 0; i < nq; i += kScoreQueries)
+      kScoreTiles<Keys>[std::min<int64_t>(kScoreQueries, nq - i) - 1](qs + i * h, keys, h, nk, tail,
+                                                                     scores + i * count + j, count);
+  }
+}
+
 // acc[r, e] = sum_j p[r, j] v_j[e] for NQ query rows of p and `lanes` <= 16 * NC values of each v_j.
 template <int NQ, int NC>
 AVX512 void ValueTile(const float* p, int64_t p_stride, const float* v, int64_t v_stride, int64_t lanes,
@@ -442,30 +456,19 @@ AVX2 void Chunk(const Shapes& n, const float* q, const float* k, const float* v,
     for (int64_t t = t0; t < t1; ++t)
       std::copy_n(q + ((b * n.t + t) * n.kv + kh) * g * h, g * h, qs.data() + (t - t0) * g * h);
     scores.resize(nq * count);
-    const float* kb = kbuf.data() + kh * h;
     if (paired) {
       const float* head = pairs.data() + kh * head_pairs;
-      for (int64_t j = 0; j < count; j += avx512::kScoreKeys) {
-        const int64_t nk = std::min<int64_t>(avx512::kScoreKeys, count - j);
+      avx512::Scores<avx512::PairedKeys>(qs.data(), nq, count, h, tail, scores.data(), [&](int64_t j, int64_t nk) {
         const float* pair01 = head + j / 2 * pair_stride;
-        const avx512::PairedKeys keys{{pair01, nk > 2 ? pair01 + pair_stride : pair01}};  // nk <= 2: dropped
-        for (int64_t i = 0; i < nq; i += avx512::kScoreQueries) {
-          const int64_t ni = std::min<int64_t>(avx512::kScoreQueries, nq - i);
-          avx512::kScoreTiles<avx512::PairedKeys>[ni - 1](qs.data() + i * h, keys, h, nk, tail,
-                                                          scores.data() + i * count + j, count);
-        }
-      }
+        return avx512::PairedKeys{{pair01, nk > 2 ? pair01 + pair_stride : pair01}};  // nk <= 2: dropped
+      });
     } else if (wide) {
-      for (int64_t j = 0; j < count; j += avx512::kScoreKeys) {
-        const int64_t nk = std::min<int64_t>(avx512::kScoreKeys, count - j);
-        const avx512::SplitKeys keys(kb + j * key_stride, key_stride, nk);
-        for (int64_t i = 0; i < nq; i += avx512::kScoreQueries) {
-          const int64_t ni = std::min<int64_t>(avx512::kScoreQueries, nq - i);
-          avx512::kScoreTiles<avx512::SplitKeys>[ni - 1](qs.data() + i * h, keys, h, nk, tail,
-                                                         scores.data() + i * count + j, count);
-        }
-      }
+      const float* kb = kbuf.data() + kh * h;
+      avx512::Scores<avx512::SplitKeys>(qs.data(), nq, count, h, tail, scores.data(), [&](int64_t j, int64_t nk) {
+        return avx512::SplitKeys(kb + j * key_stride, key_stride, nk);
+      });
     } else {
+      const float* kb = kbuf.data() + kh * h;
       for (int64_t j = 0; j < count; j += 3) {
         const int64_t nk = std::min<int64_t>(3, count - j);
         for (int64_t i = 0; i < nq; i += 4) {

@@ -53,12 +53,12 @@ def test_row_gets_the_same_bits_in_any_batch(kernel, dtype, d):
     np.testing.assert_array_equal(np.asarray(product(x[::-1], w))[::-1], full)  # each row elsewhere in the call
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 33, 64])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 33, 64, 300])
 @pytest.mark.parametrize("n, d", [(7, 64), (50, 13), (97, 100), (48, 1), (5, 33)])
 def test_int8_matmul_equals_the_jax_path(kernel, use_native, rows, n, d):
-    """An int8 weight (values and per-row scale) read in place equals linear's pure-JAX path, its
-    multiply-and-sum (up to 64 rows, the rows the kernel takes int8 for). D of 13, 33 and 1
-    exercise the tails of 16-lane steps."""
+    """An int8 weight (values and per-row scale) read in place equals linear's pure-JAX path: its
+    multiply-and-sum up to 64 rows, its mixed dot past them (a prefill, which the kernel takes on
+    AVX2 alone and with AMX). D of 13, 33 and 1 exercise the tails of 16-lane steps."""
     x, w = random((rows, d), 0), weights.quantize(random((n, d), 1))
     got = np.asarray(jax.jit(kernels.matmul)(x, w))
     use_native(False)
@@ -159,9 +159,10 @@ def test_amx_int8_product_equals_the_exact_one(amx_too, rows, n, d):
     assert not np.array_equal(amx, np.asarray(product(jnp.asarray(x), w))) or rows * n < 8, "AMX's path not taken"
 
 
-@pytest.mark.parametrize("rows", [1, 5, 17])
+@pytest.mark.parametrize("rows", [1, 5, 17, 300])
 def test_int8_avx2_path_equals_the_jax_path(avx2_too, use_native, rows):
-    """An int8 weight on a CPU without AVX-512 (8 lanes a step, not 16): the pure-JAX path's product."""
+    """An int8 weight on a CPU without AVX-512 (8 lanes a step, not 16): the pure-JAX path's product,
+    at a prefill's rows too (there the kernel takes every row count)."""
     x, w = random((rows, 33), 0), weights.quantize(random((50, 33), 1))
     avx2_too(False)
     got = np.asarray(jax.jit(kernels.matmul)(x, w))
@@ -224,13 +225,19 @@ def test_linear_takes_the_kernel_only_in_its_range(kernel, use_native):
         return "jspec_matmul_int8" in str(jax.make_jaxpr(M.linear)(random((1, rows, d), 1),
                                                                    weights.quantize(random((6, d), 0))))
 
-    amx = kernels.amx(False)  # without AMX's tiles an int8 weight takes it up to MAX_INT8_ROWS rows
+    # Without AMX's tiles an int8 weight takes it up to MAX_INT8_ROWS rows on AVX-512, at every
+    # row count on AVX2 alone
+    amx, avx512 = kernels.amx(False), kernels.uses_avx512()
     try:
-        assert [int8(rows) for rows in (1, kernels.MAX_ROWS + 1, kernels.MAX_INT8_ROWS, kernels.MAX_INT8_ROWS + 1)] == [
-            True, True, True, False]
+        assert [int8(rows) for rows in (1, kernels.MAX_ROWS + 1, kernels.MAX_INT8_ROWS)] == [True, True, True]
+        assert int8(kernels.MAX_INT8_ROWS + 1) == (not avx512)
+        kernels.avx512(False)
+        jax.clear_caches()  # `takes` asked at trace time
+        assert int8(kernels.MAX_INT8_ROWS + 1) and int8(300)
     finally:
         kernels.amx(amx)
-        jax.clear_caches()  # `takes` asked at trace time
+        kernels.avx512(avx512)
+        jax.clear_caches()
     if amx:  # with them, at every row count where D suits the tiles (16 does not)
         assert not int8(kernels.MAX_INT8_ROWS + 1)
         assert int8(kernels.MAX_INT8_ROWS + 1, kernels.AMX_INT8_DEPTH) and int8(300, kernels.AMX_INT8_DEPTH)

@@ -39,13 +39,16 @@ TARGETS = {jnp.dtype(jnp.float32): "jspec_matmul", jnp.dtype(jnp.bfloat16): "jsp
 # it at every row count: XLA converts the whole weight before its matmul, and its
 # multiply-and-sum ran 13x slower inside the decoding loop than alone.
 MAX_ROWS = 32
-# The most rows an int8 weight takes it for without AMX. Past them (a prefill) the product is
-# bound by arithmetic, not by reading the weight, and XLA's mixed int8 product was faster: on a
-# [3072, 576] weight 2.8 ms against 3.0 at 128 rows, 10.1 against 11.6 at 512, where at 64 the
-# kernel took 1.55 ms against 2.1 (benchmarks/probes/int8_matmul.py, on an AMD EPYC host:
-# docs/journal/2026-12-04_int8-weights.md). With AMX's integer tiles it takes every row count
-# (2.5x the AVX-512 path's speed past 64 rows, and faster still than XLA's: docs/design.md,
-# "Tiles of AMX").
+# The most rows an int8 weight takes it for with AVX-512 and without AMX. Past them (a prefill) the
+# product is bound by arithmetic, not by reading the weight, and XLA's mixed int8 product was
+# faster there: on a [3072, 576] weight 2.8 ms against 3.0 at 128 rows, 10.1 against 11.6 at 512,
+# where at 64 the kernel took 1.55 ms against 2.1 (benchmarks/probes/int8_matmul.py, on an AVX-512
+# AMD EPYC host: docs/journal/2026-12-04_int8-weights.md). Where the products run on AVX2 alone
+# and where AMX's integer tiles are in use it takes every row count: on an AVX2 host (AMD EPYC,
+# Zen 3) the same probe had XLA's mixed product slower at every row count (6.0 ms against 4.6 at
+# 128 rows, 11.6 against 7.8 at 256, 19.5 against 17.3 at 512); AMX's tiles run 2.5x the AVX-512
+# path past 64 rows, faster still than XLA's (docs/design.md, "Tiles of AMX", "Int8 prefill on
+# AVX2 alone").
 MAX_INT8_ROWS = 64
 AMX_INT8_DEPTH = 64  # AMX's tiles take an int8 weight whose D is a multiple of this (matmul.cc)
 # Query positions per row the attention kernel takes: decode steps, verifications, beams and a
@@ -104,7 +107,7 @@ def spin(micros: int) -> int:
 def avx512(use: bool) -> bool:
     """Let the CPU's kernels (products and attention) take their AVX-512 paths where the CPU has
     them (the default), or not; returns whether they did. For tests that run the AVX2 paths on a
-    CPU with both."""
+    CPU with both. `takes` reads it at trace time for int8 past MAX_INT8_ROWS rows."""
     if _lib is None:
         raise RuntimeError(f"the CPU kernels are unavailable: {unavailable}")
     return bool(_lib.jspec_use_avx512(ctypes.c_int(use)))
@@ -118,6 +121,11 @@ def amx(use: bool) -> bool:
     if _lib is None:
         raise RuntimeError(f"the CPU kernels are unavailable: {unavailable}")
     return bool(_lib.jspec_use_amx(ctypes.c_int(use)))
+
+
+def uses_avx512() -> bool:
+    """Whether the CPU's products run on AVX-512 (not AVX2 alone) in this process."""
+    return _lib is not None and bool(_lib.jspec_paths() & 1)
 
 
 def uses_amx() -> bool:
@@ -152,7 +160,8 @@ def takes(x: jax.Array, w, rows: int) -> bool:
     if not enabled or x.dtype != jnp.float32 or numerics.platform() != "cpu":
         return False
     if w.dtype == jnp.int8:
-        return rows <= MAX_INT8_ROWS or (uses_amx() and w.shape[1] % AMX_INT8_DEPTH == 0)
+        return (rows <= MAX_INT8_ROWS or not uses_avx512()
+                or (uses_amx() and w.shape[1] % AMX_INT8_DEPTH == 0))
     return w.dtype == jnp.bfloat16 or (w.dtype == jnp.float32 and rows <= MAX_ROWS)
 
 

@@ -304,7 +304,7 @@ class Report:
         prompts = Path(a.prompts).name
         return "\n".join([
             f"- Command: `{self.command}`",
-            f"- Model: {self.model_name} ({a.dtype}); prompts: `{prompts}`, {n} questions ({per}), first turn, "
+            f"- Model: {self.model_name}; prompts: `{prompts}`, {n} questions ({per}), first turn, "
             f"{'no chat template' if a.no_chat else 'chat template'}; greedy, at most {a.max_new_tokens} new "
             f"tokens; batch {self.main}; median of {a.repeats} timed run(s) after an untimed warm-up of each "
             "compiled shape.",

@@ -157,7 +157,7 @@ def run(args) -> int:
         raise
     labels = [s.label for s in specs]
     report = bench_report.Report(results.rows, prompts, labels, hf_methods, sizes, command_line(args),
-                                 bench_report.machine_info(), model.name, args)
+                                 bench_report.machine_info(), f"{model.name} ({model.dtype})", args)
     bench_run.warn_mismatches(report)
     print(report.console())
     if args.markdown:

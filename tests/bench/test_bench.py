@@ -100,6 +100,8 @@ def test_bench_end_to_end(capsys, tiny_chat_model, questions, tmp_path):
                    "jspec bench --methods ngram,early-exit:exit_layer=2", "img/bench_speedup_by_category.png",
                    "img/bench_throughput.png", "speedup vs HF generate"):
         assert needle in block, needle
+    # No --dtype: the model's line names the dtype it loaded in, the checkpoint's own
+    assert re.search(r"^- Model: \S+ \((float32|bfloat16)\); prompts", block, re.M), block[:600]
     overall = block.split("### Overall (batch 1)")[1].split("###")[0]
     assert "| `ar` | 3 |" in overall and overall.count(" | 0 |") == 3  # no mismatches
     assert (img / "bench_speedup_by_category.png").stat().st_size > 1000

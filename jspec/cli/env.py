@@ -50,8 +50,8 @@ def run(args: argparse.Namespace) -> int:
         rows.append(("compilation cache", compilation_cache.describe()))
     except RuntimeError as e:  # a backend that cannot start is what the report is about
         rows.append(("jax devices", f"unavailable: {one_line(e)}"))
-    every = kernels.uses_amx() or not kernels.uses_avx512()  # as kernels.takes decides
-    int8_rows = "every row count" if every else f"up to {kernels.MAX_INT8_ROWS} rows"
+    limit = kernels.int8_rows(kernels.AMX_INT8_DEPTH)  # a depth AMX takes, as every Llama's is
+    int8_rows = "every row count" if limit is None else f"up to {limit} rows"
     rows.append(("native kernel", f"not used: {kernels.unavailable}" if kernels.unavailable
                  else f"used on a CPU ({kernels.paths()}) for up to {kernels.MAX_ROWS} float32 rows, every "
                       f"bfloat16 weight and {int8_rows} of an int8 one, "

@@ -107,7 +107,7 @@ def spin(micros: int) -> int:
 def avx512(use: bool) -> bool:
     """Let the CPU's kernels (products and attention) take their AVX-512 paths where the CPU has
     them (the default), or not; returns whether they did. For tests that run the AVX2 paths on a
-    CPU with both. `takes` reads it at trace time for int8 past MAX_INT8_ROWS rows."""
+    CPU with both. `takes` reads it at trace time for int8 (int8_rows)."""
     if _lib is None:
         raise RuntimeError(f"the CPU kernels are unavailable: {unavailable}")
     return bool(_lib.jspec_use_avx512(ctypes.c_int(use)))
@@ -116,7 +116,7 @@ def avx512(use: bool) -> bool:
 def amx(use: bool) -> bool:
     """Let bfloat16 and int8 products use AMX's tiles where the CPU has them (the default), or not;
     returns whether they did. For tests and probes that run the AVX paths on a CPU with AMX. The
-    kernel reads it at each call; `takes` reads it at trace time for int8 past MAX_INT8_ROWS rows
+    kernel reads it at each call; `takes` reads it at trace time for int8 (int8_rows)
     (call jax.clear_caches() after switching where that matters)."""
     if _lib is None:
         raise RuntimeError(f"the CPU kernels are unavailable: {unavailable}")
@@ -160,9 +160,18 @@ def takes(x: jax.Array, w, rows: int) -> bool:
     if not enabled or x.dtype != jnp.float32 or numerics.platform() != "cpu":
         return False
     if w.dtype == jnp.int8:
-        return (rows <= MAX_INT8_ROWS or not uses_avx512()
-                or (uses_amx() and w.shape[1] % AMX_INT8_DEPTH == 0))
+        limit = int8_rows(w.shape[1])
+        return limit is None or rows <= limit
     return w.dtype == jnp.bfloat16 or (w.dtype == jnp.float32 and rows <= MAX_ROWS)
+
+
+def int8_rows(d: int) -> int | None:
+    """The most rows an int8 weight of depth d takes the kernel for in this process: MAX_INT8_ROWS
+    on AVX-512's tiles, None (every row count) on AVX2 alone and on AMX's, which take a d that is
+    a multiple of AMX_INT8_DEPTH."""
+    if not uses_avx512() or (uses_amx() and d % AMX_INT8_DEPTH == 0):
+        return None
+    return MAX_INT8_ROWS
 
 
 def matmul(x: jax.Array, w) -> jax.Array:

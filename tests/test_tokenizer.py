@@ -16,6 +16,7 @@ from pathlib import Path
 
 import gguf
 import pytest
+from conftest import DEFAULT_NEW
 from tokenizers import Tokenizer as Pipeline, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer
 
@@ -358,7 +359,7 @@ def test_generate_without_torch(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "JSPEC_CACHE": str(tmp_path / "cache"),
            "IMPORTS_LOG": str(tmp_path / "imports.json")}
     proc = subprocess.run([sys.executable, "-c", "from jspec.cli import main; raise SystemExit(main())",
-                           "generate", "Name three primes.", "--max-new-tokens", "8"],
+                           "generate", "Name three primes.", "--max-new-tokens", str(DEFAULT_NEW)],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip(), proc.stderr

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import all_bfloat16, in_bfloat16, on_mesh
+from conftest import DEFAULT_NEW, all_bfloat16, in_bfloat16, on_mesh
 from support.spec import (DAMP, LENGTHS, SAMPLE_ROWS, SAMPLES, SPROMPT, SV, assert_sampled_from, check_stats,
                           convert_tiny, damped, exact_marginals, ids, repetitive_prompts)
 
@@ -218,8 +218,8 @@ def test_default_model_uses_shipped_folder(default_model):
     assert folder is not None, "no knn-ssd folder in jspec/checkpoints/"
     names = knn.load(folder).names()
     prompts = ["Translate German to English: Das Haus ist klein.", "Write a Python function that reverses a list."]
-    ar = default_model.generate(prompts, max_new_tokens=16)
-    records = default_model.generate(prompts, method="knn-ssd", max_new_tokens=16)
+    ar = default_model.generate(prompts, max_new_tokens=DEFAULT_NEW)
+    records = default_model.generate(prompts, method="knn-ssd", max_new_tokens=DEFAULT_NEW)
     assert ids(records) == ids(ar)
     assert all(r["stats"]["domain"] in names for r in records)
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import save_source, tiny_hf_model
+from conftest import DEFAULT_NEW, save_source, tiny_hf_model
 from jax.sharding import Mesh
 
 import jspec
@@ -360,7 +360,7 @@ def test_shipped_heads_on_a_mesh_give_the_unsharded_tokens(default_model):
     places both kinds."""
     m = jspec.load(mesh="data=2,model=4")
     prompts = ["Name three primes.", "What is 12 times 7?"]
-    expected = [r["token_ids"] for r in default_model.generate(prompts, max_new_tokens=16)]
-    got = m.generate(prompts, method="eesd", max_new_tokens=16)
+    expected = [r["token_ids"] for r in default_model.generate(prompts, max_new_tokens=DEFAULT_NEW)]
+    got = m.generate(prompts, method="eesd", max_new_tokens=DEFAULT_NEW)
     assert [r["token_ids"] for r in got] == expected
     assert sum(r["stats"]["accepted"] for r in got) > 0

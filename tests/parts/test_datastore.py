@@ -9,6 +9,7 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import DEFAULT_NEW
 
 from jspec.cli import main
 from jspec.errors import JspecError
@@ -177,10 +178,10 @@ def test_shipped_datastore_on_the_default_model(default_model):
     assert shipped.find(default_model, "datastore") is not None, "no shipped datastore in jspec/checkpoints/"
     assert set(methods.build("ngram", default_model)[1]) == {"ngram_keys", "ngram_hash", "ngram_next"}
     prompts = ["Write a haiku about the sea.", "What is 12 times 7? Explain."]
-    ar = [r["token_ids"] for r in default_model.generate(prompts, max_new_tokens=48)]
+    ar = [r["token_ids"] for r in default_model.generate(prompts, max_new_tokens=DEFAULT_NEW)]
     accepted = {}
     for store in (None, "off"):
-        out = default_model.generate(prompts, method="ngram", max_new_tokens=48, datastore=store)
+        out = default_model.generate(prompts, method="ngram", max_new_tokens=DEFAULT_NEW, datastore=store)
         assert [r["token_ids"] for r in out] == ar
         accepted[store] = sum(r["stats"]["accepted"] for r in out)
     assert accepted[None] > accepted["off"]

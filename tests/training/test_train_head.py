@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import DEFAULT_NEW
 
 from jspec.api import Model
 from jspec.cli import main
@@ -516,8 +517,8 @@ def test_shipped_heads_are_lossless_on_the_default_model(default_model, method):
     meta = json.loads((shipped.find(default_model, method) / "head.json").read_text())
     assert meta["kind"] == method and meta["model"] == fingerprint(default_model.cfg)
     prompts = ["Write a haiku about the sea.", "What is 12 times 7? Explain."]
-    ar = default_model.generate(prompts, max_new_tokens=48)
-    out = default_model.generate(prompts, method=method, max_new_tokens=48)
+    ar = default_model.generate(prompts, max_new_tokens=DEFAULT_NEW)
+    out = default_model.generate(prompts, method=method, max_new_tokens=DEFAULT_NEW)
     assert [r["token_ids"] for r in out] == [r["token_ids"] for r in ar]
     assert all(r["stats"]["drafted"] <= r["stats"]["rounds"] - 1 for r in out)  # K = 1 on a CPU
     assert sum(r["stats"]["accepted"] for r in out) > 0.2 * sum(r["stats"]["drafted"] for r in out) > 0
